@@ -260,7 +260,7 @@ class ReplayBuffer:
         return (self.stacks(env, slot), self.actions[env, slot], self.rewards[env, slot],
                 self.terminated[env, slot], self.stacks(env, following))
 
-    def sample(self, batch_size: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    def sample_slots(self, batch_size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Uniform over stored transitions of all envs; the few slots without a transition are redrawn."""
         env = rng.integers(self.num_envs, size=batch_size)
         slot = rng.integers(self.size[env])
@@ -268,7 +268,10 @@ class ReplayBuffer:
         while redraw.any():
             slot[redraw] = rng.integers(self.size[env[redraw]])
             redraw[redraw] = ~self.valid[env[redraw], slot[redraw]]
-        return self.transitions(env, slot)
+        return env, slot
+
+    def sample(self, batch_size: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+        return self.transitions(*self.sample_slots(batch_size, rng))
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in
@@ -379,14 +382,14 @@ def load_checkpoint(path: str, args: Args, rank: int, world_size: int, network: 
     trainer = torch.load(directory / "trainer_state.pt", map_location="cpu", weights_only=False)
     if not isinstance(trainer, dict) or trainer.get("algorithm") != "dqn_atari":
         fail(f"{directory} is not a dqn_atari checkpoint")
-    shapes = {name: tuple(t.shape) for name, t in network.state_dict().items()}
-    saved = {name: tuple(t.shape) for name, t in trainer["q_network"].items()}
-    if saved != shapes:
-        fail(f"{directory} holds a different network ({saved}) than this run's ({shapes})")
     for key, now in (("env_id", args.env_id), ("world_size", world_size), ("num_envs", args.num_envs),
                      ("buffer_size", args.buffer_size)):
         if trainer[key] != now:
             fail(f"{directory} was saved with {key}={trainer[key]!r}, this run has {now!r}; resume needs the same")
+    shapes = {name: tuple(t.shape) for name, t in network.state_dict().items()}
+    saved = {name: tuple(t.shape) for name, t in trainer["q_network"].items()}
+    if saved != shapes:
+        fail(f"{directory} holds a different network ({saved}) than this run's ({shapes})")
     if not (directory / f"rank{rank}.pt").is_file():
         fail(f"{directory} lacks rank{rank}.pt")
     return directory, trainer
@@ -558,8 +561,8 @@ if __name__ == "__main__":
     hashes = [None] * world_size
     dist.all_gather_object(hashes, parameter_hash(q_network))
     if rank == 0:
-        final_record = {"global_step": global_step, "parameter_hash": hashes[0], "ranks_agree": len(set(hashes)) == 1,
-                        "target_parameter_hash": parameter_hash(target_network)}
+        final_record = {"global_step": global_step, "parameter_sha256": hashes[0],
+                        "ranks_agree": len(set(hashes)) == 1, "target_sha256": parameter_hash(target_network)}
         if args.save_model:
             model_path = tracker.run_dir / f"{args.exp_name}.cleanrl_model"
             torch.save(q_network.state_dict(), model_path)
