@@ -371,3 +371,12 @@ def test_checkpoint_from_another_env_or_network_is_refused(python_run: Path, tmp
     torch.save({"model": {}}, foreign / "trainer_state.pt")  # e.g. another script's checkpoint
     result = run([*TINY, "--resume", str(foreign)], tmp_path / "c")
     assert result.returncode == 2 and "not a dqn_atari checkpoint" in result.stderr
+
+
+def test_benchmark_table_reads_runs_and_draws_curves(python_run: Path, tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    result = subprocess.run([sys.executable, "benchmarks/dqn_table.py", str(python_run.parent), "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "| Breakout | 1 | 1200 |" in result.stdout and "not yet run by us" in result.stdout  # Pong, BeamRider
+    assert (tmp_path / "dqn_Breakout.png").stat().st_size > 0 and (tmp_path / "table.md").is_file()
