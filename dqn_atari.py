@@ -10,6 +10,7 @@ run continues exactly as the uninterrupted one would have (emulator, wrapper and
     torchrun --nproc_per_node 2 dqn_atari.py   # each rank its own envs and buffer; gradients are averaged
 """
 
+import copy
 import os
 import time
 from dataclasses import dataclass
@@ -172,26 +173,18 @@ def wrapper_layers(env: gym.Env) -> list[gym.Env]:
     return layers
 
 
-def get_env_state(env: gym.Env) -> list[object]:
-    """Emulator state with its RNG, the no-op RNG, and each stateful wrapper's fields (copied)."""
-    state = []
-    for layer in wrapper_layers(env):
-        fields = WRAPPER_STATE.get(type(layer), ())
-        state.append({name: np.copy(getattr(layer, name)) if name == "obs_buffer" else
-                      list(getattr(layer, name)) if name == "obs_queue" else getattr(layer, name) for name in fields})
+def get_env_state(env: gym.Env) -> list[dict[str, object]]:
+    """Each stateful wrapper's fields (copied), then the emulator with its RNG and the no-op RNG."""
+    state = [{name: copy.deepcopy(getattr(layer, name)) for name in WRAPPER_STATE.get(type(layer), ())}
+             for layer in wrapper_layers(env)]
     base = env.unwrapped
-    state.append({"ale": base.ale.cloneState(include_rng=True), "np_random": base.np_random.bit_generator.state})
-    return state
+    return [*state, {"ale": base.ale.cloneState(include_rng=True), "np_random": base.np_random.bit_generator.state}]
 
 
-def set_env_state(env: gym.Env, state: list[object]) -> None:
+def set_env_state(env: gym.Env, state: list[dict[str, object]]) -> None:
     for layer, fields in zip(wrapper_layers(env), state):
         for name, value in fields.items():
-            if name == "obs_queue":
-                layer.obs_queue.clear()
-                layer.obs_queue.extend(np.copy(frame) for frame in value)
-            else:
-                setattr(layer, name, [np.copy(b) for b in value] if name == "obs_buffer" else value)
+            setattr(layer, name, copy.deepcopy(value))
     env.unwrapped.ale.restoreState(state[-1]["ale"])
     env.unwrapped.np_random.bit_generator.state = state[-1]["np_random"]
 
@@ -390,8 +383,9 @@ def load_checkpoint(path: str, args: Args, rank: int, world_size: int, network: 
     saved = {name: tuple(t.shape) for name, t in trainer["q_network"].items()}
     if saved != shapes:
         fail(f"{directory} holds a different network ({saved}) than this run's ({shapes})")
-    if not (directory / f"rank{rank}.pt").is_file():
-        fail(f"{directory} lacks rank{rank}.pt")
+    missing = [f"rank{r}.pt" for r in range(world_size) if not (directory / f"rank{r}.pt").is_file()]
+    if missing:  # every rank checks every rank's file, so all stop together
+        fail(f"{directory} lacks {', '.join(missing)}")
     return directory, trainer
 
 
@@ -457,8 +451,8 @@ if __name__ == "__main__":
         state = torch.load(ckpt_dir / f"rank{rank}.pt", map_location="cpu", weights_only=False)
         for env, env_state in zip(envs.envs, state["envs"]):
             set_env_state(env, env_state)
-        with np.load(ckpt_dir / f"rank{rank}_buffer.npz") as saved_buffer:
-            buffer.load_state_dict(dict(saved_buffer))
+        buffer.load_state_dict({name: np.load(ckpt_dir / f"rank{rank}_buffer_{name}.npy", mmap_mode="r")
+                                for name in buffer.state_dict()})  # memory-mapped: no second copy of 7 GB
         obs, episodes, last_losses = state["obs"], state["episodes"], state["last_losses"]
         rng.bit_generator.state = state["rng"]
         restore_rng_states(state["rng_states"])
@@ -471,7 +465,8 @@ if __name__ == "__main__":
             torch.save({"envs": [get_env_state(env) for env in envs.envs], "obs": obs, "episodes": episodes,
                         "last_losses": last_losses, "rng": rng.bit_generator.state, "rng_states": rng_states()},
                        directory / f"rank{rank}.pt")
-            np.savez(directory / f"rank{rank}_buffer.npz", **buffer.state_dict())
+            for name, array in buffer.state_dict().items():
+                np.save(directory / f"rank{rank}_buffer_{name}.npy", array)
 
         def write(directory: Path) -> None:
             torch.save({"algorithm": "dqn_atari", "global_step": step, "env_id": args.env_id,
@@ -528,7 +523,7 @@ if __name__ == "__main__":
                     p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
                     offset += p.numel()
                 optimizer.step()
-                last_losses = flat[-2:].cpu()
+                last_losses = flat[-2:].clone()  # read (and synchronised) only when logged
             if crossings(previous_step, global_step, args.target_network_frequency):
                 with torch.no_grad():
                     for target_param, param in zip(target_network.parameters(), params):

@@ -308,7 +308,7 @@ def test_world_size_one_under_torchrun_equals_plain_python(python_run: Path, tmp
 def test_torchrun_two_ranks_agree_and_are_reproducible(torchrun_run: Path, tmp_path: Path):
     assert final(torchrun_run)["ranks_agree"]
     files = {p.name for p in (torchrun_run / "checkpoints" / "step_00000600").iterdir()}
-    assert {"trainer_state.pt", "rank0.pt", "rank1.pt", "rank0_buffer.npz", "rank1_buffer.npz"} <= files
+    assert {"trainer_state.pt", "rank0.pt", "rank1.pt", "rank0_buffer_frames.npy", "rank1_buffer_frames.npy"} <= files
     again = run_ok(TINY, tmp_path, nproc=2)
     assert metric_lines(again) == metric_lines(torchrun_run)
     assert final(again)["parameter_sha256"] == final(torchrun_run)["parameter_sha256"]
