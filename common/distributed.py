@@ -26,7 +26,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -83,7 +83,8 @@ class GSM8KTask(Task):
 
     @staticmethod
     def _example(row: dict[str, str]) -> Example:
-        return Example(prompt=f"{row['question']} {GSM8K_INSTRUCTION}", answer=row["answer"].split("####")[-1].strip().replace(",", ""))
+        answer = row["answer"].split("####")[-1].strip().replace(",", "")
+        return Example(prompt=f"{row['question']} {GSM8K_INSTRUCTION}", answer=answer)
 
     def reward(self, completion: str, example: Example) -> float:
         return float(gsm8k_strict(completion) == example.answer)

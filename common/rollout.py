@@ -1,0 +1,187 @@
+"""Rollout engines with one interface: an embedded vLLM engine per rank, or a `transformers` fallback.
+
+Both take prompt token ids plus one seed per sample, and return the sampled token ids with their logprobs *after*
+temperature (what the trainer must reproduce). Per-sample seeds make a sample independent of which other prompts
+share its batch.
+"""
+
+import hashlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Sample:
+    completion_ids: list[int]
+    logprobs: list[float]  # of each sampled token, under the temperature-scaled distribution
+    truncated: bool  # hit max_tokens before the end-of-sequence token
+
+
+def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A 31-bit seed for one sample, derived from its coordinates alone."""
+    digest = hashlib.sha256(f"{seed}/{step}/{prompt_index}/{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class VLLMEngine:
+    """One vLLM `LLM` per torchrun rank (`external_launcher`); ranks in a tensor-parallel group of `tp` contiguous
+    ranks share one model and must submit identical requests, so each group gathers its members' prompts first."""
+
+    def __init__(self, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
+                 kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> None:
+        from vllm import LLM
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.tp = tp
+        self.tp_group = None
+        for start in range(0, world, tp):  # every rank must create every group, in the same order
+            group = dist.new_group(list(range(start, start + tp))) if tp > 1 else None
+            if start <= rank < start + tp:
+                self.tp_group = group
+        memory = ({"kv_cache_memory_bytes": kv_cache_memory_bytes} if device.type == "cpu"
+                  else {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True})
+        self.llm = LLM(
+            model=model_path, dtype=dtype, seed=rank // tp, tensor_parallel_size=tp,
+            distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+            max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=device.type == "cpu", **memory,
+        )  # eager on CPU: compiling costs more start-up time than it saves on small models
+        self.sleeps = device.type == "cuda"  # sleep mode is CUDA-only
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
+                 eos_token_id: int | None) -> list[Sample]:
+        from vllm import SamplingParams
+
+        requests = list(zip(prompts, seeds))
+        if self.tp_group is not None:  # the whole group generates the union, each rank keeps its share
+            gathered: list[list] = [None] * self.tp
+            dist.all_gather_object(gathered, requests, group=self.tp_group)
+            mine = dist.get_rank() % self.tp
+            offset = sum(len(part) for part in gathered[:mine])
+            requests = [request for part in gathered for request in part]
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0,
+                                 stop_token_ids=[eos_token_id] if eos_token_id is not None else None)
+                  for _, seed in requests]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], params, use_tqdm=False)
+        samples = []
+        for output in outputs:
+            completion = output.outputs[0]
+            token_ids = list(completion.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
+            samples.append(Sample(token_ids, logprobs, truncated=completion.finish_reason == "length"))
+        if self.tp_group is not None:
+            samples = samples[offset:offset + len(prompts)]
+        return samples
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights in place, then drop cached prefixes computed with the old ones."""
+        if self.sleeps:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+        if self.sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free accelerator memory for training (weights offloaded, KV cache dropped)."""
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+    def close(self) -> None:
+        """Tear the engine down while the process group it shares still exists (it destroys its own groups)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+class HFEngine:
+    """The fallback: a plain `transformers` copy of the policy, sampled token by token with a KV cache.
+
+    Each row draws from its own generator, seeded per sample, so a sample does not depend on its batch-mates' seeds.
+    """
+
+    def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, batch_size: int = 256) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.device = device
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
+                 eos_token_id: int | None) -> list[Sample]:
+        samples: list[Sample] = []
+        for start in range(0, len(prompts), self.batch_size):
+            end = start + self.batch_size
+            samples += self._generate_batch(prompts[start:end], seeds[start:end], max_tokens, temperature, eos_token_id)
+        return samples
+
+    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
+                        eos_token_id: int | None) -> list[Sample]:
+        from transformers import DynamicCache
+
+        batch, longest = len(prompts), max(len(p) for p in prompts)
+        pad = eos_token_id if eos_token_id is not None else 0
+        input_ids = torch.full((batch, longest), pad, dtype=torch.long)
+        attention_mask = torch.zeros((batch, longest), dtype=torch.long)
+        for row, ids in enumerate(prompts):  # left padding keeps every prompt's last token in the last column
+            input_ids[row, longest - len(ids):] = torch.tensor(ids)
+            attention_mask[row, longest - len(ids):] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
+        cache = DynamicCache()
+        tokens = [[] for _ in range(batch)]
+        logprobs = [[] for _ in range(batch)]
+        done = [False] * batch
+        step_input = input_ids
+        for _ in range(max_tokens):
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1]:]
+            logits = self.model(input_ids=step_input, attention_mask=attention_mask, position_ids=position_ids,
+                                past_key_values=cache, use_cache=True).logits[:, -1].float()
+            if temperature > 0:
+                log_probs = torch.log_softmax(logits / temperature, dim=-1)
+                chosen = torch.stack([torch.multinomial(log_probs[row].exp(), 1, generator=generators[row])[0]
+                                      for row in range(batch)])
+            else:
+                log_probs = torch.log_softmax(logits, dim=-1)
+                chosen = logits.argmax(-1)
+            chosen_logprobs = log_probs.gather(-1, chosen[:, None])[:, 0]
+            for row in range(batch):
+                if not done[row]:
+                    tokens[row].append(int(chosen[row]))
+                    logprobs[row].append(float(chosen_logprobs[row]))
+                    done[row] = int(chosen[row]) == eos_token_id
+            if all(done):
+                break
+            step_input = chosen[:, None]
+            attention_mask = torch.cat([attention_mask, torch.ones_like(step_input)], dim=1)
+        return [Sample(t, lp, truncated=not d) for t, lp, d in zip(tokens, logprobs, done)]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_state_dict(dict(named_tensors), strict=True)
+
+    def sleep(self) -> None:
+        """Nothing to free: the fallback holds no KV cache between calls."""
+
+    def close(self) -> None:
+        """Nothing to tear down."""
+
+
+def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
+                kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> VLLMEngine | HFEngine:
+    """`auto` picks vLLM when it is installed, else the `transformers` fallback."""
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+    if kind == "vllm":
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # keep vLLM's per-request chatter out of our log
+        return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization)
+    return HFEngine(model_path, getattr(torch, dtype), device)

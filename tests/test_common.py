@@ -1,0 +1,103 @@
+"""common/: checkpoints, fingerprints, per-sample seeds, tasks, and the transformers rollout engine."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+
+from common.checkpoint import resolve_checkpoint, save_checkpoint
+from common.determinism import parameter_hash
+from common.rollout import HFEngine, sample_seed
+from common.tasks import AdditionTask, Example, GSM8KTask, gsm8k_flexible, gsm8k_strict
+from common.tracking import strip_wall_clock
+
+TINY = str(ROOT / "assets" / "tiny-adder")
+
+
+def write_state(value: int):
+    def write(path: Path) -> None:
+        torch.save({"value": value}, path / "trainer_state.pt")
+    return write
+
+
+def test_checkpoint_publish_and_keep_last(tmp_path: Path):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, write_state(step), keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert torch.load(resolve_checkpoint(str(tmp_path)) / "trainer_state.pt")["value"] == 3
+
+
+def test_interrupted_save_leaves_latest_checkpoint_intact(tmp_path: Path):
+    save_checkpoint(tmp_path, 1, write_state(1))
+
+    def crash(path: Path) -> None:
+        (path / "trainer_state.pt").write_bytes(b"half a file")
+        raise KeyboardInterrupt  # a kill in the middle of writing
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, crash)
+    assert not (tmp_path / "step_00000002").exists()
+    assert resolve_checkpoint(str(tmp_path)).name == "step_00000001"
+    assert torch.load(resolve_checkpoint(str(tmp_path)) / "trainer_state.pt")["value"] == 1
+    save_checkpoint(tmp_path, 2, write_state(2))  # the next save cleans the leftover temporary directory
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_resolve_checkpoint_rejects_incomplete(tmp_path: Path):
+    (tmp_path / "step_00000001").mkdir()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_checkpoint(str(tmp_path / "step_00000001"))
+
+
+def test_parameter_hash_sees_one_flipped_bit():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    before = parameter_hash(model)
+    assert parameter_hash(model) == before
+    with torch.no_grad():
+        model.weight.view(-1).view(torch.int32)[5] ^= 1  # the lowest mantissa bit of one weight
+    assert parameter_hash(model) != before
+
+
+def test_sample_seed_depends_on_every_coordinate():
+    base = sample_seed(1, 2, 3, 4)
+    assert base == sample_seed(1, 2, 3, 4)
+    assert len({base, sample_seed(2, 2, 3, 4), sample_seed(1, 3, 3, 4), sample_seed(1, 2, 4, 4),
+                sample_seed(1, 2, 3, 5)}) == 5
+    assert 0 <= base < 2**31
+
+
+def test_strip_wall_clock():
+    assert strip_wall_clock({"step": 1, "perf/step_s": 2.0, "charts/SPS": 3.0, "train/loss": 4.0}) == {
+        "step": 1, "train/loss": 4.0}
+
+
+def test_addition_task_held_out_split():
+    task = AdditionTask(num_train=2000, num_test=100)
+    assert not {e.prompt for e in task.test} & {e.prompt for e in task.train}
+    example = Example("12+30=", "42")
+    assert task.reward("42", example) == 1.0 and task.reward(" 42 ", example) == 1.0
+    assert task.reward("43", example) == 0.0 and task.reward("4", example) == 0.0
+
+
+def test_gsm8k_extraction_strict_and_flexible():
+    text = "She pays 3 * $1,200 = $3,600.\n#### 3,600"
+    assert gsm8k_strict(text) == "3600" and gsm8k_flexible(text) == "3600"
+    assert gsm8k_strict("so the answer is 72") is None and gsm8k_flexible("so the answer is 72.") == "72"
+    task = GSM8KTask.__new__(GSM8KTask)  # no download: only the reward functions
+    example = Example("q", "72")
+    assert task.reward("... #### 72", example) == 1.0 and task.reward("the answer is 72", example) == 0.0
+    assert task.flexible_reward("the answer is 72", example) == 1.0
+
+
+def test_hf_engine_samples_do_not_depend_on_batch_mates():
+    engine = HFEngine(TINY, torch.float32, torch.device("cpu"))
+    prompts = [[3, 4, 12, 5, 13], [6, 12, 7, 8, 13], [9, 10, 11, 12, 4, 13]]
+    together = engine.generate(prompts, [11, 22, 33], max_tokens=6, temperature=1.0, eos_token_id=1)
+    alone = engine.generate(prompts[1:2], [22], max_tokens=6, temperature=1.0, eos_token_id=1)
+    assert together[1].completion_ids == alone[0].completion_ids
+    torch.testing.assert_close(torch.tensor(together[1].logprobs), torch.tensor(alone[0].logprobs))
+    # negative control: other seeds for the same prompt give other samples
+    reseeded = engine.generate(prompts[1:2] * 16, list(range(16)), max_tokens=6, temperature=2.0, eos_token_id=1)
+    assert len({tuple(s.completion_ids) for s in reseeded}) > 4

