@@ -73,7 +73,7 @@ class Args:
     """sampling temperature; logprobs (rollout and trainer) are taken after it"""
 
     # --- GRPO ---
-    total_steps: int = 100
+    total_steps: int = 200
     """number of GRPO steps (rollout + update)"""
     prompts_per_step: int = 64
     """prompts per step across all ranks"""
