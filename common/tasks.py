@@ -1,5 +1,6 @@
 """Prompt datasets with verifiable rewards, behind one interface: `Task.train`, `Task.test`, `Task.reward`."""
 
+import os
 import random
 import re
 from dataclasses import dataclass
@@ -77,7 +78,8 @@ class GSM8KTask(Task):
     def __init__(self, dataset_name: str = "openai/gsm8k") -> None:
         from datasets import load_dataset
 
-        data = load_dataset(dataset_name, "main")
+        # a local copy (a directory of train/test files) has no "main" configuration
+        data = load_dataset(dataset_name) if os.path.isdir(dataset_name) else load_dataset(dataset_name, "main")
         self.train = [self._example(row) for row in data["train"]]
         self.test = [self._example(row) for row in data["test"]]
 

@@ -9,7 +9,7 @@ from conftest import ROOT
 from common.checkpoint import resolve_checkpoint, save_checkpoint
 from common.determinism import parameter_hash
 from common.rollout import HFEngine, sample_seed
-from common.tasks import AdditionTask, Example, GSM8KTask, gsm8k_flexible, gsm8k_strict
+from common.tasks import AdditionTask, Example, GSM8KTask, gsm8k_flexible, gsm8k_strict, make_task
 from common.tracking import strip_wall_clock
 
 TINY = str(ROOT / "assets" / "tiny-adder")
@@ -89,6 +89,19 @@ def test_gsm8k_extraction_strict_and_flexible():
     example = Example("q", "72")
     assert task.reward("... #### 72", example) == 1.0 and task.reward("the answer is 72", example) == 0.0
     assert task.flexible_reward("the answer is 72", example) == 1.0
+
+
+def test_gsm8k_task_from_a_local_copy(tmp_path: Path):
+    import json
+
+    rows = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
+            {"question": "A box holds 1,200 pens. How many in 2 boxes?", "answer": "2 * 1200 = 2400\n#### 2,400"}]
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    task = make_task(str(tmp_path))
+    assert [e.answer for e in task.test] == ["7", "2400"]
+    assert task.train[0].prompt.startswith("Tom has 3 apples") and task.train[0].prompt.endswith('after "####".')
+    assert task.reward("so 2,400 pens\n#### 2,400", task.test[1]) == 1.0
 
 
 def test_hf_engine_samples_do_not_depend_on_batch_mates():

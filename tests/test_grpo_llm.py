@@ -169,6 +169,23 @@ def test_hf_fallback_engine_plain_python(tmp_path: Path):
     assert all(m["mismatch/logprob_abs_diff_max"] < 1e-3 for m in metrics[1:])
 
 
+def test_every_loss_option_runs_under_torchrun(tmp_path: Path):
+    """The non-default paths: k3 KL to a reference, mu > 1 with trainer old logprobs, per-sequence loss, batch std,
+    cosine schedule, bfloat16 rollouts and training."""
+    options = ["--total-steps", "3", "--save-every", "0", "--beta", "0.04", "--num-iterations", "2", "--loss-type",
+               "grpo", "--scale-rewards", "batch", "--lr-schedule", "cosine", "--warmup-steps", "0", "--dtype",
+               "bfloat16"]
+    result = run_script("grpo_llm.py", [*SMALL_GRPO, *options, "--run-root", str(tmp_path)], nproc=2)
+    check(result)
+    metrics = read_metrics(only_run_dir(tmp_path))
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    # k3 KL is exactly 0 before the first update and positive once the policy has moved (the second of mu=2 updates)
+    assert all(m["train/kl"] > 0 for m in metrics[1:])
+    assert metrics[1]["mismatch/logprob_abs_diff_mean"] > 1e-4  # bf16 rollouts vs the trainer: visibly not exact
+    assert metrics[1]["train/clip_fraction"] >= 0 and all(math.isfinite(m["train/loss"]) for m in metrics[1:])
+    assert metrics[3]["train/learning_rate"] < metrics[2]["train/learning_rate"]  # cosine decay
+
+
 # ---------------------------------------------------------------- bad input: a clear message and exit 2, no hang
 
 
