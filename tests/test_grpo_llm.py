@@ -186,6 +186,16 @@ def test_every_loss_option_runs_under_torchrun(tmp_path: Path):
     assert metrics[3]["train/learning_rate"] < metrics[2]["train/learning_rate"]  # cosine decay
 
 
+def test_tensor_parallel_vllm_groups_give_each_rank_its_own_prompts(grpo_reference_run: Path, tmp_path: Path):
+    """--vllm-tp 2: both ranks share one engine; each must get back the completions of its own prompts, so greedy
+    held-out accuracy equals the tp=1 run's."""
+    check(run_script("grpo_llm.py", [*SMALL_GRPO, "--total-steps", "1", "--vllm-tp", "2", "--run-root", str(tmp_path)],
+                     nproc=2))
+    tp2 = read_metrics(only_run_dir(tmp_path))
+    assert tp2[0]["eval/accuracy"] == read_metrics(grpo_reference_run)[0]["eval/accuracy"]
+    assert math.isfinite(tp2[1]["train/loss"])
+
+
 # ---------------------------------------------------------------- bad input: a clear message and exit 2, no hang
 
 
