@@ -223,7 +223,8 @@ def learning_rate_factor(step: int, warmup_steps: int, total_steps: int, schedul
 
 
 def load_policy(path: str, dtype: str, device: torch.device, world_size: int) -> torch.nn.Module:
-    """The HF model in float32 master weights, sharded with FSDP2 per decoder layer and at the root."""
+    """The HF model in float32 master weights, sharded with FSDP2 per transformer block (the classes the model names
+    in `_no_split_modules`, e.g. Qwen2DecoderLayer) and at the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
@@ -231,8 +232,9 @@ def load_policy(path: str, dtype: str, device: torch.device, world_size: int) ->
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     mesh = init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for block in [m for m in model.modules() if type(m).__name__ in block_classes]:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 

@@ -69,6 +69,8 @@ if __name__ == "__main__":
     dist.all_reduce(tokens)
     if rank == 0:
         threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        launcher = f"torchrun --nproc_per_node {world_size} " if world_size > 1 else "python "
+        print(f"command: {launcher}{' '.join(sys.argv)}")
         print(f"engine={args.engine} world_size={world_size} threads_per_rank={threads} "
               f"samples_per_call={args.num_prompts * args.num_generations} max_tokens={args.max_tokens}: "
               f"{tokens.item() / seconds:,.0f} sampled tokens/s")

@@ -14,6 +14,7 @@ if __name__ == "__main__":
     steps = [r for r in records if r["step"] > 1 and "perf/step_s" in r]
     manifest = json.loads((run_dir / "manifest.json").read_text())
     print(f"{run_dir.name}: world size {manifest['world_size']}, {len(steps)} steps averaged")
+    print(f"  command: {manifest['command']}")
     for key in sorted(k for k in steps[0] if k.startswith("perf/")):
         print(f"  {key:28s} {sum(r[key] for r in steps) / len(steps):12.3f}")
     evals = [r for r in records if "eval/accuracy" in r]

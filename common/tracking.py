@@ -8,7 +8,9 @@ import importlib.metadata
 import json
 import logging
 import math
+import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -57,6 +59,14 @@ def _versions() -> dict[str, str | None]:
     return versions
 
 
+def _command() -> str:
+    """The command line as typed, with the torchrun launcher when there was one."""
+    launcher = "python"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        launcher = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')}"
+    return f"{launcher} {shlex.join(sys.argv)}"
+
+
 def _devices() -> list[str]:
     if torch.cuda.is_available():
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -84,7 +94,7 @@ class RunTracker:
         self.run_dir.mkdir(parents=True)
         arg_dict = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
         manifest = {
-            "exp_name": exp_name, "args": arg_dict, "command": sys.argv, "world_size": world_size,
+            "exp_name": exp_name, "args": arg_dict, "command": _command(), "world_size": world_size,
             "determinism": determinism, "versions": _versions(), "devices": _devices(), **_git_state(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

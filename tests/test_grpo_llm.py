@@ -127,6 +127,7 @@ def test_end_to_end_torchrun_vllm(grpo_reference_run: Path):
     assert manifest["world_size"] == 2 and manifest["args"]["prompts_per_step"] == 16
     assert manifest["versions"]["vllm"] == "0.32.0" and manifest["determinism"]["deterministic"] is True
     assert "git_commit" in manifest and "git_dirty" in manifest
+    assert manifest["command"].startswith("torchrun --nproc_per_node 2 grpo_llm.py --prompts-per-step 16")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
     for key in ("train/reward_mean", "train/reward_std", "train/accuracy", "train/completion_length",
