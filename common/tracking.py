@@ -67,6 +67,10 @@ def _command() -> str:
     return f"{launcher} {shlex.join(sys.argv)}"
 
 
+# Taken at import, before any engine starts: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE.
+LAUNCH_COMMAND = _command()
+
+
 def _devices() -> list[str]:
     if torch.cuda.is_available():
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -94,7 +98,7 @@ class RunTracker:
         self.run_dir.mkdir(parents=True)
         arg_dict = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
         manifest = {
-            "exp_name": exp_name, "args": arg_dict, "command": _command(), "world_size": world_size,
+            "exp_name": exp_name, "args": arg_dict, "command": LAUNCH_COMMAND, "world_size": world_size,
             "determinism": determinism, "versions": _versions(), "devices": _devices(), **_git_state(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from assets.build_tiny_model import greedy_accuracy
 from common.tasks import AdditionTask
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,20 +38,7 @@ def test_committed_model_heldout_accuracy(build_info: dict) -> None:
     assert tokenizer.chat_template is None and tokenizer.decode(tokenizer.encode("12+34=")) == "12+34="
     assert model.config.eos_token_id == tokenizer.eos_token_id != tokenizer.pad_token_id
     assert len(tokenizer) == model.config.vocab_size  # AutoTokenizer (Qwen2Tokenizer) added no token
-    examples = AdditionTask().test[:100]
-    by_length: dict[int, list] = {}
-    for example in examples:  # batch prompts of equal length: no padding
-        by_length.setdefault(len(example.prompt), []).append(example)
-    correct = 0
-    with torch.no_grad():
-        for group in by_length.values():
-            prompt_ids = torch.tensor([tokenizer.encode(example.prompt) for example in group])
-            output = model.generate(
-                prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False, max_new_tokens=6
-            )
-            completions = tokenizer.batch_decode(output[:, prompt_ids.shape[1] :], skip_special_tokens=True)
-            correct += sum(completion.strip() == example.answer for completion, example in zip(completions, group))
-    accuracy = correct / len(examples)
+    accuracy = greedy_accuracy(model, tokenizer, AdditionTask().test[:100])  # the Auto-loaded model, not the builder's
     assert abs(accuracy - build_info["heldout_greedy_accuracy_first_100"]) <= 0.02
     assert 0.30 <= build_info["heldout_greedy_accuracy"] <= 0.60  # weak enough to leave room for RL
     assert 0.25 <= accuracy <= 0.70
