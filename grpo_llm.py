@@ -436,8 +436,7 @@ if __name__ == "__main__":
         grouped = torch.cat(all_rewards).view(args.prompts_per_step, args.num_generations)
         advantages_all = group_advantages(grouped, args.scale_rewards).flatten()
         advantages = advantages_all.view(world_size, -1)[rank]
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
-        batch_counts = torch.tensor([lengths.sum().item(), float(len(completions))], dtype=torch.float64)
+        batch_counts = torch.tensor([sum(len(c) for c in completions), len(completions)], dtype=torch.float64)
         dist.all_reduce(batch_counts)
         num_tokens, num_sequences = int(batch_counts[0].item()), int(batch_counts[1].item())
 
