@@ -61,7 +61,7 @@ if __name__ == "__main__":
                  for i in range(len(batch))]
         dist.barrier()
         start = time.time()
-        samples = engine.generate(batch, seeds, args.max_tokens, 1.0, tokenizer.eos_token_id)
+        samples = engine.generate(batch, seeds, args.max_tokens, 1.0, [tokenizer.eos_token_id])
         dist.barrier()
         if call > 0:  # the first call is the warm-up
             seconds += time.time() - start

@@ -6,8 +6,10 @@ file naming the newest complete one, replaced atomically after the rename.
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import torch.distributed as dist
 
 
 def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep_last: int = 0) -> Path:
@@ -15,12 +17,38 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep_l
 
     `keep_last` > 0 deletes older complete checkpoints beyond that many, only after the new one is published.
     """
+    tmp = _fresh_tmp(root, step)
+    write(tmp)
+    return _publish(root, step, keep_last)
+
+
+def save_checkpoint_all_ranks(root: Path, step: int, write: Callable[[Path], None], keep_last: int,
+                              group: dist.ProcessGroup) -> Path:
+    """The collective form of `save_checkpoint`: every rank calls it and `write(tmp_dir)` fills in its own part;
+    rank 0 publishes once all parts are in. `group` should have a long timeout (a big rank-0 write)."""
+    tmp = root / f".step_{step:08d}.tmp"
+    if dist.get_rank() == 0:
+        _fresh_tmp(root, step)
+    dist.barrier(group=group)
+    write(tmp)
+    dist.barrier(group=group)
+    if dist.get_rank() == 0:
+        _publish(root, step, keep_last)
+    dist.barrier(group=group)
+    return root / f"step_{step:08d}"
+
+
+def _fresh_tmp(root: Path, step: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
     tmp = root / f".step_{step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
     tmp.mkdir()
-    write(tmp)
+    return tmp
+
+
+def _publish(root: Path, step: int, keep_last: int) -> Path:
+    final = root / f"step_{step:08d}"
+    tmp = root / f".step_{step:08d}.tmp"
     for path in tmp.rglob("*"):  # flush file contents before the rename makes them visible
         if path.is_file():
             with open(path, "rb") as handle:
@@ -48,3 +76,20 @@ def resolve_checkpoint(path: str) -> Path:
     if not (candidate / "trainer_state.pt").is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path!r} (expected a trainer_state.pt inside)")
     return candidate
+
+
+def check_resume_args(saved: dict[str, object], current: dict[str, object], may_change: Iterable[str]) -> list[str]:
+    """Every argument that differs between a checkpoint's run and this one, except those in `may_change`, as one
+    readable line each (empty when the resume is faithful). `total_steps`/`total_timesteps` may also grow: extending
+    a run on purpose, never shrinking it below where the checkpoint stands (the caller checks that)."""
+    allowed = set(may_change)
+    problems = []
+    for name in sorted(set(saved) | set(current)):
+        before, now = saved.get(name, "<absent>"), current.get(name, "<absent>")
+        if name in allowed or before == now:
+            continue
+        if name in ("total_steps", "total_timesteps") and isinstance(before, int) and isinstance(now, int) \
+                and now > before:
+            continue
+        problems.append(f"--{name.replace('_', '-')}: checkpoint {before!r}, now {now!r}")
+    return problems

@@ -26,9 +26,7 @@ def configure_determinism_env(deterministic: bool) -> dict[str, str]:
 def seed_everything(seed: int, deterministic: bool = True) -> dict[str, object]:
     """Seed python, numpy and torch; with `deterministic`, force deterministic kernels and turn TF32 off."""
     env = configure_determinism_env(deterministic)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    seed_rngs(seed)
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic
@@ -36,6 +34,23 @@ def seed_everything(seed: int, deterministic: bool = True) -> dict[str, object]:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     return {"deterministic": deterministic, "seed": seed, **env}
+
+
+# Variables that decide determinism on GPUs; vLLM's batch-invariant mode rewrites several of the NCCL ones.
+DETERMINISM_ENV = ("CUBLAS_WORKSPACE_CONFIG", "VLLM_BATCH_INVARIANT", "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS",
+                   "NCCL_MAX_NCHANNELS", "NCCL_LAUNCH_MODE", "NCCL_NTHREADS", "VLLM_USE_V2_MODEL_RUNNER")
+
+
+def effective_determinism_env() -> dict[str, str]:
+    """The values in force now (read after the rollout engine started, for the manifest)."""
+    return {key: os.environ[key] for key in DETERMINISM_ENV if key in os.environ}
+
+
+def seed_rngs(seed: int) -> None:
+    """Python, numpy and torch (all devices). Call again after starting a vLLM engine: it reseeds them with its own."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def parameter_hash(state: dict[str, torch.Tensor] | torch.nn.Module) -> str:

@@ -1,5 +1,12 @@
-"""One code path for `python X.py` and `torchrun --nproc_per_node N X.py`."""
+"""One code path for `python X.py` and `torchrun --nproc_per_node N X.py`.
 
+The collective rule, for every script: the default process group carries two backends, gloo for CPU tensors and NCCL
+for CUDA tensors (`cpu:gloo,cuda:nccl`). Training tensors (gradients, FSDP shards) live on the device and go through
+NCCL; bookkeeping (statistics, counts, flags, picklable objects) stays on the CPU and goes through gloo, so it never
+forces a device round trip and is valid on every backend.
+"""
+
+import datetime
 import os
 import socket
 import sys
@@ -7,13 +14,18 @@ import sys
 import torch
 import torch.distributed as dist
 
+# Saving a checkpoint can keep one rank busy for minutes (a 7B export) while the others wait: their waits use a
+# separate gloo group with this timeout instead of the default group's.
+SAVE_TIMEOUT = datetime.timedelta(hours=2)
+_save_group: dist.ProcessGroup | None = None
+
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join (or, under plain python, create) the process group. Returns (rank, world_size, device).
 
     Plain python becomes a world of one, so every script runs the same collectives either way.
-    NCCL on GPUs, gloo on CPU.
     """
+    global _save_group
     if "RANK" not in os.environ:
         with socket.socket() as probe:  # a free port for the single-process group
             probe.bind(("127.0.0.1", 0))
@@ -27,10 +39,17 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
     if not dist.is_initialized():
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
         else:
             dist.init_process_group("gloo")
+        _save_group = dist.new_group(backend="gloo", timeout=SAVE_TIMEOUT)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def save_group() -> dist.ProcessGroup:
+    """The long-timeout gloo group for barriers and planning around checkpoint writes."""
+    assert _save_group is not None, "init_distributed() first"
+    return _save_group
 
 
 def fail(message: str) -> None:
@@ -46,6 +65,21 @@ def all_ranks_ok(ok: bool) -> bool:
     """True only when `ok` holds on every rank; use before a step that some rank might fail."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ok
-    flag = torch.tensor([int(ok)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    flag = torch.tensor([int(ok)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def reduce_stats(sums: dict[str, float | torch.Tensor], maxima: dict[str, float | torch.Tensor] | None = None
+                 ) -> dict[str, float]:
+    """Sum `sums` and take the max of `maxima` over ranks, by name: one all-reduce each, in float64 on the CPU.
+    Call it once per step with everything accumulated (device tensors are fine), never per micro-batch."""
+    result: dict[str, float] = {}
+    for values, op in ((sums, dist.ReduceOp.SUM), (maxima or {}, dist.ReduceOp.MAX)):
+        if values:
+            names = sorted(values)
+            packed = torch.stack([torch.as_tensor(values[name]).detach().to("cpu", torch.float64).reshape(())
+                                  for name in names])
+            dist.all_reduce(packed, op=op)
+            result.update(zip(names, packed.tolist()))
+    return result

@@ -6,6 +6,7 @@ share its batch.
 """
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,9 +23,10 @@ class Sample:
 
 
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """A 31-bit seed for one sample, derived from its coordinates alone."""
+    """A 63-bit seed for one sample, derived from its coordinates alone (vLLM keeps int64 seeds; with 31 bits two
+    samples of one run would share a seed after about 65k samples, by the birthday bound)."""
     digest = hashlib.sha256(f"{seed}/{step}/{prompt_index}/{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def vllm_available() -> bool:
@@ -43,6 +45,10 @@ class VLLMEngine:
                  kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> None:
         from vllm import LLM
 
+        # Reloading weights warns for every layer that received none; rotary tables are buffers we leave out on
+        # purpose (the engine computes its own), so that warning, printed every step, is noise.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: not record.getMessage().startswith("RotaryEmbedding"))
         rank, world = dist.get_rank(), dist.get_world_size()
         self.tp = tp
         self.tp_group = None
@@ -58,9 +64,12 @@ class VLLMEngine:
             max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=device.type == "cpu", **memory,
         )  # eager on CPU: compiling costs more start-up time than it saves on small models
         self.sleeps = device.type == "cuda"  # sleep mode is CUDA-only
+        # On CUDA, the V2 model runner samples all seeded requests in one batched kernel; the V1 runner (and the CPU
+        # one) loops over seeded requests in Python at every decoding step, which costs time at large batches.
+        self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
 
     def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
-                 eos_token_id: int | None) -> list[Sample]:
+                 eos_ids: list[int]) -> list[Sample]:
         from vllm import SamplingParams
 
         requests = list(zip(prompts, seeds))
@@ -71,8 +80,7 @@ class VLLMEngine:
             offset = sum(len(part) for part in gathered[:mine])
             requests = [request for part in gathered for request in part]
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0,
-                                 stop_token_ids=[eos_token_id] if eos_token_id is not None else None)
-                  for _, seed in requests]
+                                 stop_token_ids=list(eos_ids)) for _, seed in requests]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], params, use_tqdm=False)
         samples = []
         for output in outputs:
@@ -85,18 +93,21 @@ class VLLMEngine:
         return samples
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights in place, then drop cached prefixes computed with the old ones."""
+        """Load new weights in place, consuming `named_tensors` one tensor at a time (the engine runs in this process,
+        so a generator streams straight into its loader), then drop prefixes cached with the old weights."""
         if self.sleeps:
+            torch.cuda.empty_cache()  # hand the trainer's freed blocks back before vLLM allocates again
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         if self.sleeps:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Free accelerator memory for training (weights offloaded, KV cache dropped)."""
+        """Free accelerator memory for training: level 2 drops weights and KV cache without copying the weights to
+        the host (level 1 would, every step), since `update_weights` overwrites them anyway."""
         if self.sleeps:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
 
     def close(self) -> None:
         """Tear the engine down while the process group it shares still exists (it destroys its own groups)."""
@@ -118,19 +129,19 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
-                 eos_token_id: int | None) -> list[Sample]:
+                 eos_ids: list[int]) -> list[Sample]:
         samples: list[Sample] = []
         for start in range(0, len(prompts), self.batch_size):
             end = start + self.batch_size
-            samples += self._generate_batch(prompts[start:end], seeds[start:end], max_tokens, temperature, eos_token_id)
+            samples += self._generate_batch(prompts[start:end], seeds[start:end], max_tokens, temperature, eos_ids)
         return samples
 
     def _generate_batch(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
-                        eos_token_id: int | None) -> list[Sample]:
+                        eos_ids: list[int]) -> list[Sample]:
         from transformers import DynamicCache
 
         batch, longest = len(prompts), max(len(p) for p in prompts)
-        pad = eos_token_id if eos_token_id is not None else 0
+        pad = eos_ids[0] if eos_ids else 0
         input_ids = torch.full((batch, longest), pad, dtype=torch.long)
         attention_mask = torch.zeros((batch, longest), dtype=torch.long)
         for row, ids in enumerate(prompts):  # left padding keeps every prompt's last token in the last column
@@ -159,7 +170,7 @@ class HFEngine:
                 if not done[row]:
                     tokens[row].append(int(chosen[row]))
                     logprobs[row].append(float(chosen_logprobs[row]))
-                    done[row] = int(chosen[row]) == eos_token_id
+                    done[row] = int(chosen[row]) in eos_ids
             if all(done):
                 break
             step_input = chosen[:, None]
@@ -167,7 +178,15 @@ class HFEngine:
         return [Sample(t, lp, truncated=not d) for t, lp, d in zip(tokens, logprobs, done)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_state_dict(dict(named_tensors), strict=True)
+        """Copy each tensor in as it arrives; every parameter must be among them."""
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        missing = set(parameters)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                parameters[name].copy_(tensor)
+                missing.discard(name)
+        if missing:
+            raise RuntimeError(f"weight update left parameters unset: {sorted(missing)}")
 
     def sleep(self) -> None:
         """Nothing to free: the fallback holds no KV cache between calls."""

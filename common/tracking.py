@@ -1,4 +1,6 @@
-"""Run directory, TensorBoard, metrics.jsonl, manifest.json, optional Weights & Biases, and the rank-tagged logger.
+"""Run directory, TensorBoard, metrics.jsonl + perf.jsonl, manifest.json, optional Weights & Biases, and the rank-tagged
+logger. metrics.jsonl holds only what the run computes, so two runs of the same arguments on the same machine give
+byte-identical files (`cmp` them); wall-clock measures go to perf.jsonl.
 
 Rank 0 alone writes. Every other rank gets a tracker whose writes do nothing, so scripts call it unconditionally.
 """
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 # Metrics that measure wall-clock time and so differ between otherwise identical runs.
 WALL_CLOCK_PREFIXES = ("perf/", "charts/SPS")
@@ -78,31 +81,57 @@ def _devices() -> list[str]:
 
 
 class RunTracker:
-    """Owns `runs/{exp_name}__{seed}__{timestamp}/` on rank 0."""
+    """Owns `runs/{exp_name}__{seed}__{timestamp}/` on rank 0; every rank learns its path (`run_dir`), since all
+    ranks write their parts of a checkpoint there. Creating it is a collective."""
 
     def __init__(self, args: object, exp_name: str, rank: int, world_size: int, determinism: dict[str, object],
-                 track: bool = False, wandb_project: str = "rl-repro", run_root: str = "runs") -> None:
+                 track: bool = False, wandb_project: str = "rl-repro", run_root: str = "runs",
+                 resume_checkpoint: Path | None = None, resume_step: int = 0) -> None:
+        """With `resume_checkpoint` inside a run directory (`{run}/checkpoints/step_N`), the run continues there:
+        metrics.jsonl is cut back to `resume_step` and TensorBoard purges the later points, so the directory reads as
+        one uninterrupted run. A checkpoint elsewhere starts a new run directory."""
         self.rank = rank
         self.start_time = time.time()
-        self.writer = self.metrics_file = self.wandb_run = None
-        self.run_dir: Path | None = None
-        if rank != 0:
-            return
-        seed = getattr(args, "seed", 0)
-        run_name = f"{exp_name}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-        self.run_dir = Path(run_root) / run_name
-        suffix = 1
-        while self.run_dir.exists():  # never write into an earlier run's directory
-            self.run_dir = Path(run_root) / f"{run_name}-{suffix}"
-            suffix += 1
-        self.run_dir.mkdir(parents=True)
+        self.writer = self.metrics_file = self.perf_file = self.wandb_run = None
+        continued = resume_checkpoint.parent.parent if resume_checkpoint else None
+        if continued is not None and not (continued / "manifest.json").is_file():
+            continued = None
+        self.run_dir = Path(self._create(args, exp_name, world_size, determinism, track, wandb_project, run_root,
+                                         continued, resume_step) if rank == 0 else "")
+        if dist.is_initialized():
+            box = [str(self.run_dir)]
+            dist.broadcast_object_list(box, src=0)
+            self.run_dir = Path(box[0])
+
+    def _create(self, args: object, exp_name: str, world_size: int, determinism: dict[str, object], track: bool,
+                wandb_project: str, run_root: str, continued: Path | None, resume_step: int) -> Path:
         arg_dict = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
-        manifest = {
-            "exp_name": exp_name, "args": arg_dict, "command": LAUNCH_COMMAND, "world_size": world_size,
-            "determinism": determinism, "versions": _versions(), "devices": _devices(), **_git_state(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        (self.run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        launch = {"args": arg_dict, "command": LAUNCH_COMMAND, "world_size": world_size, "determinism": determinism,
+                  "versions": _versions(), "devices": _devices(), **_git_state(),
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        if continued is not None:
+            self.run_dir = continued
+            manifest = json.loads((continued / "manifest.json").read_text())
+            manifest.setdefault("resumed", []).append({"from_step": resume_step, **launch})
+            for name in ("metrics.jsonl", "perf.jsonl"):  # drop what the run logged after its checkpoint
+                path = continued / name
+                if path.is_file():
+                    kept = [line for line in path.read_text().splitlines(keepends=True)
+                            if json.loads(line)["step"] <= resume_step]
+                    (continued / f".{name}.tmp").write_text("".join(kept))
+                    os.replace(continued / f".{name}.tmp", path)
+        else:
+            seed = getattr(args, "seed", 0)
+            run_name = f"{exp_name}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+            self.run_dir = Path(run_root) / run_name
+            suffix = 1
+            while self.run_dir.exists():  # never write into an earlier run's directory
+                self.run_dir = Path(run_root) / f"{run_name}-{suffix}"
+                suffix += 1
+            self.run_dir.mkdir(parents=True)
+            manifest = {"exp_name": exp_name, **launch}
+        (self.run_dir / ".manifest.json.tmp").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        os.replace(self.run_dir / ".manifest.json.tmp", self.run_dir / "manifest.json")
         if track:
             import wandb  # optional dependency, imported only when asked for
 
@@ -110,20 +139,26 @@ class RunTracker:
                                         sync_tensorboard=True, save_code=True)
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(self.run_dir))
+        self.writer = SummaryWriter(str(self.run_dir), purge_step=resume_step + 1 if continued else None)
         table = "\n".join(f"|{key}|{value}|" for key, value in arg_dict.items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        self.perf_file = open(self.run_dir / "perf.jsonl", "a")
+        return self.run_dir
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """One line of metrics.jsonl and one TensorBoard point per scalar."""
+        """One TensorBoard point per scalar, one line of metrics.jsonl, and one of perf.jsonl if there are timings."""
         if self.rank != 0:
             return
         clean = {key: float(value) for key, value in metrics.items()}
         for key, value in clean.items():
             self.writer.add_scalar(key, value, step)
-        self.metrics_file.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
-        self.metrics_file.flush()
+        computed = {key: value for key, value in clean.items() if not key.startswith(WALL_CLOCK_PREFIXES)}
+        timed = {key: value for key, value in clean.items() if key.startswith(WALL_CLOCK_PREFIXES)}
+        for file, record in ((self.metrics_file, computed), (self.perf_file, timed)):
+            if record:
+                file.write(json.dumps({"step": step, **record}, sort_keys=True) + "\n")
+                file.flush()
 
     def progress(self, step: int, total: int, fields: dict[str, float], first_step: int = 0) -> None:
         """A compact live line: step, the given fields, and an ETA from the average pace so far."""
@@ -145,11 +180,11 @@ class RunTracker:
             return
         self.writer.close()
         self.metrics_file.close()
+        self.perf_file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
 
 def strip_wall_clock(record: dict[str, float]) -> dict[str, float]:
-    """A metrics.jsonl record without the fields that measure time, for comparing runs."""
+    """A record without the fields that measure time, for comparing runs."""
     return {key: value for key, value in record.items() if not key.startswith(WALL_CLOCK_PREFIXES)}
-

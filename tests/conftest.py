@@ -33,8 +33,9 @@ def only_run_dir(run_root: Path) -> Path:
     return runs[0]
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict[str, float]]:
+    """metrics.jsonl (what the run computed) or perf.jsonl (its timings)."""
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
 
 
 def check(result: subprocess.CompletedProcess) -> None:

@@ -65,7 +65,8 @@ def test_sample_seed_depends_on_every_coordinate():
     assert base == sample_seed(1, 2, 3, 4)
     assert len({base, sample_seed(2, 2, 3, 4), sample_seed(1, 3, 3, 4), sample_seed(1, 2, 4, 4),
                 sample_seed(1, 2, 3, 5)}) == 5
-    assert 0 <= base < 2**31
+    many = [sample_seed(1, 1, p, 0) for p in range(100)]
+    assert all(0 <= s < 2**63 for s in many) and max(many) >= 2**62  # all 63 bits in use, not 31
 
 
 def test_strip_wall_clock():
@@ -107,10 +108,25 @@ def test_gsm8k_task_from_a_local_copy(tmp_path: Path):
 def test_hf_engine_samples_do_not_depend_on_batch_mates():
     engine = HFEngine(TINY, torch.float32, torch.device("cpu"))
     prompts = [[3, 4, 12, 5, 13], [6, 12, 7, 8, 13], [9, 10, 11, 12, 4, 13]]
-    together = engine.generate(prompts, [11, 22, 33], max_tokens=6, temperature=1.0, eos_token_id=1)
-    alone = engine.generate(prompts[1:2], [22], max_tokens=6, temperature=1.0, eos_token_id=1)
+    together = engine.generate(prompts, [11, 22, 33], max_tokens=6, temperature=1.0, eos_ids=[1])
+    alone = engine.generate(prompts[1:2], [22], max_tokens=6, temperature=1.0, eos_ids=[1])
     assert together[1].completion_ids == alone[0].completion_ids
     torch.testing.assert_close(torch.tensor(together[1].logprobs), torch.tensor(alone[0].logprobs))
     # negative control: other seeds for the same prompt give other samples
-    reseeded = engine.generate(prompts[1:2] * 16, list(range(16)), max_tokens=6, temperature=2.0, eos_token_id=1)
+    reseeded = engine.generate(prompts[1:2] * 16, list(range(16)), max_tokens=6, temperature=2.0, eos_ids=[1])
     assert len({tuple(s.completion_ids) for s in reseeded}) > 4
+
+
+def test_addition_held_out_excludes_commutative_twins():
+    """No test prompt `a+b=` has its twin `b+a=` (nor itself) in the training stream of the default task."""
+    import random
+
+    from common.tasks import addition_examples
+
+    task = AdditionTask()
+    train = {example.prompt for example in task.train}
+    twins = {"{1}+{0}=".format(*example.prompt.removesuffix("=").split("+")) for example in task.test}
+    assert len(task.train) == 100_000 and not twins & train and not {example.prompt for example in task.test} & train
+    # negative control: the same random stream, filtered by exact prompt only, would have leaked twins
+    raw = {example.prompt for example in addition_examples(len(task.train), task.digits, random.Random(1234 + 1))}
+    assert len(twins & raw - {example.prompt for example in task.test}) > 10

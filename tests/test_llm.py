@@ -1,0 +1,176 @@
+"""common/llm.py: the LLM plumbing the three LLM scripts share, checked piece by piece against plain references."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ROOT
+
+import common.llm as llm
+from common.checkpoint import check_resume_args
+from common.determinism import parameter_hash
+from common.distributed import init_distributed, reduce_stats
+from common.tasks import Example
+
+TINY = ROOT / "assets" / "tiny-adder"
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A gloo group of one process, as plain `python script.py` creates it (on a fresh port each time)."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    init_distributed()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+PROMPTS = [[3, 4, 12], [5, 12, 6, 7, 13], [8, 13]]
+COMPLETIONS = [[9, 10, 1], [11], []]
+
+
+def test_make_batch_layout():
+    batch = llm.make_batch(PROMPTS, COMPLETIONS, pad_id=0, device=torch.device("cpu"))
+    assert batch.prompt_width == 5
+    assert batch.input_ids.tolist() == [[0, 0, 3, 4, 12, 9, 10, 1], [5, 12, 6, 7, 13, 11, 0, 0],
+                                        [0, 0, 0, 8, 13, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0],
+                                             [0, 0, 0, 1, 1, 0, 0, 0]]
+    assert batch.position_ids[0].tolist()[2:] == [0, 1, 2, 3, 4, 5]  # counted from the first real token
+    assert batch.completion_ids.tolist() == [[9, 10, 1], [11, 0, 0], [0, 0, 0]]
+    assert batch.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    values = llm.completion_values([[0.5, 0.25, 1.0], [2.0], []], batch.completion_mask)
+    assert values.tolist() == [[0.5, 0.25, 1.0], [2.0, 0, 0], [0, 0, 0]]
+
+
+def naive_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float
+                   ) -> torch.Tensor:
+    """The textbook way: one unpadded sequence, full-vocabulary float32 log_softmax at every position."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logprobs[len(prompt) - 1:]
+
+
+@pytest.mark.parametrize("chunk_rows", [256, 2])  # one chunk, and many chunks that split rows of one sequence
+def test_sequence_logprobs_equal_the_naive_computation(tiny_model, monkeypatch, chunk_rows: int):
+    monkeypatch.setattr(llm, "CHUNK_ROWS", chunk_rows)
+    batch = llm.make_batch(PROMPTS, COMPLETIONS, pad_id=0, device=torch.device("cpu"))
+    lean = llm.sequence_logprobs(tiny_model, batch, temperature=0.7)
+    for row, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS)):
+        if completion:
+            expected = naive_logprobs(tiny_model, prompt, completion, 0.7)
+            torch.testing.assert_close(lean[row, :len(completion)], expected, atol=2e-6, rtol=0)
+    # and the gradient with respect to the weights is the same
+    weights = torch.randn_like(lean) * batch.completion_mask
+    tiny_model.zero_grad()
+    (lean * weights).sum().backward()
+    lean_grads = [p.grad.clone() for p in tiny_model.parameters()]
+    tiny_model.zero_grad()
+    sum((naive_logprobs(tiny_model, p, c, 0.7) * weights[row, :len(c)]).sum()
+        for row, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)) if c).backward()
+    for lean_grad, parameter in zip(lean_grads, tiny_model.parameters()):
+        torch.testing.assert_close(lean_grad, parameter.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_chosen_token_logprob_forward_and_backward_match_autograd(monkeypatch):
+    monkeypatch.setattr(llm, "CHUNK_ROWS", 3)  # 8 rows: chunks of 3, 3 and 2
+    logits = torch.randn(2, 4, 11, requires_grad=True)
+    tokens = torch.randint(0, 11, (2, 4))
+    upstream = torch.randn(2, 4)
+    lean = llm._ChosenTokenLogprob.apply(logits, tokens, 0.7)
+    (grad_lean,) = torch.autograd.grad((lean * upstream).sum(), logits)
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
+    (grad_expected,) = torch.autograd.grad((expected * upstream).sum(), logits)
+    torch.testing.assert_close(lean, expected)
+    torch.testing.assert_close(grad_lean, grad_expected)
+
+
+def test_stream_weights_gathers_tied_embeddings_once(tiny_model):
+    assert tiny_model.config.tie_word_embeddings
+    with_aliases = list(llm.stream_weights(tiny_model, torch.bfloat16))
+    names = [name for name, _ in with_aliases]
+    assert names.index("lm_head.weight") == names.index("model.embed_tokens.weight") + 1  # right after its twin
+    tensors = dict(with_aliases)
+    assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]  # the same tensor, not a second copy
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert not any("rotary" in name for name in names)  # buffers are left out on purpose
+    once = [name for name, _ in llm.stream_weights(tiny_model, torch.float32, tied_aliases=False)]
+    assert "lm_head.weight" not in once and len(once) == len(names) - 1
+
+
+def test_export_pretrained_in_several_shards_loads_in_transformers(tiny_model, world_of_one, monkeypatch,
+                                                                   tmp_path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setattr(llm, "EXPORT_SHARD_BYTES", 200_000)  # the tiny model is 3.4 MB: many files
+    llm.export_pretrained(tiny_model, AutoTokenizer.from_pretrained(TINY), tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3 and "lm_head.weight" not in index["weight_map"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert parameter_hash(reloaded) == parameter_hash(tiny_model)
+
+
+def test_eos_token_ids_join_generation_config_and_tokenizer(tmp_path: Path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    assert llm.eos_token_ids(str(TINY), tokenizer) == [1]
+    GenerationConfig(eos_token_id=[7, 1]).save_pretrained(tmp_path)  # two EOS ids, as Qwen2.5-Instruct lists
+    assert llm.eos_token_ids(str(tmp_path), tokenizer) == [1, 7]
+
+
+def test_decode_completion_drops_only_a_final_eos():
+    class Decoder:
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return ",".join(map(str, ids))
+
+    assert llm.decode_completion(Decoder(), [5, 7, 9], eos_ids=[7, 9]) == "5,7"
+    assert llm.decode_completion(Decoder(), [5, 6], eos_ids=[7, 9]) == "5,6"
+
+
+def test_reward_failure_names_prompt_and_completion(capsys):
+    class Decoder:
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return "".join(map(str, ids))
+
+    def broken(text: str, example: Example) -> float:
+        raise ValueError("boom")
+
+    with pytest.raises(SystemExit) as stopped:
+        llm.score(broken, Decoder(), [Example("1+2=", "3")], [[4, 2]], eos_ids=[1])
+    assert stopped.value.code == 2
+    assert "prompt '1+2=' with completion '42'" in capsys.readouterr().err
+
+
+def test_reduce_stats_by_name(world_of_one):
+    result = reduce_stats({"b": torch.tensor(2.5), "a": 1}, {"peak": torch.tensor([3.0])})
+    assert result == {"a": 1.0, "b": 2.5, "peak": 3.0}
+
+
+def test_step_prompts_partition_each_step_over_ranks():
+    whole, first = llm.step_prompts(3, seed=1, num_prompts=100, prompts_per_step=8, rank=0, world_size=1)
+    parts = [llm.step_prompts(3, 1, 100, 8, rank, 2) for rank in range(2)]
+    assert first == 0 and [p[1] for p in parts] == [0, 4]
+    assert parts[0][0] + parts[1][0] == whole
+    assert llm.step_prompts(4, 1, 100, 8, 0, 1)[0] != whole
+    epoch_steps = [set(llm.step_prompts(s, 1, 100, 8, 0, 1)[0]) for s in range(1, 13)]
+    assert len(set().union(*epoch_steps)) == 96  # 12 steps of 8 in one epoch: no prompt twice
+
+
+def test_check_resume_args_lists_every_difference():
+    saved = {"seed": 1, "learning_rate": 1e-4, "total_steps": 10, "run_root": "a"}
+    assert check_resume_args(saved, {**saved, "run_root": "b", "total_steps": 20}, ["run_root"]) == []
+    problems = check_resume_args(saved, {**saved, "seed": 2, "learning_rate": 1e-3, "total_steps": 5}, ["run_root"])
+    assert problems == ["--learning-rate: checkpoint 0.0001, now 0.001", "--seed: checkpoint 1, now 2",
+                        "--total-steps: checkpoint 10, now 5"]
