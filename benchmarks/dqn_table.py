@@ -1,6 +1,7 @@
 """Turn dqn_atari.py runs into the benchmark table (mean +- std over seeds) and learning-curve PNGs, next to the
 published numbers. A run's score is the mean return of its last 100 training games (whole games, unclipped), as
-CleanRL's table reports; the evaluation score (`eval/episodic_return`, epsilon 0.05, after --save-model) is shown too.
+CleanRL's table reports; the evaluation score (`eval/episodic_return`, --eval-epsilon 0.05, after --save-model) is
+shown too. Runs without a final.json (stopped early) are listed and left out.
 
     python benchmarks/dqn_table.py runs/ --out benchmarks/dqn_results
 """
@@ -28,23 +29,30 @@ def game_name(env_id: str) -> str:
 
 
 def load_runs(roots: list[Path]) -> dict[str, list[dict]]:
-    """Every run directory (a manifest.json from dqn_atari.py) under the roots, grouped by game."""
+    """Every complete run directory (a manifest.json from dqn_atari.py and a final.json) under the roots, by game.
+    A resumed run continues in its checkpoint's run directory, so one directory is one whole run; a run that stopped
+    early has no final.json and is reported, never scored."""
     runs = defaultdict(list)
     for root in roots:
         for manifest_path in sorted(root.rglob("manifest.json")):
+            run_dir = manifest_path.parent
             manifest = json.loads(manifest_path.read_text())
-            if "env_id" not in manifest.get("args", {}) or not (manifest_path.parent / "metrics.jsonl").is_file():
+            if "env_id" not in manifest.get("args", {}) or not (run_dir / "metrics.jsonl").is_file():
                 continue
-            if manifest["args"].get("resume"):  # holds only the steps after its checkpoint
-                print(f"skipping {manifest_path.parent}: a resumed run; score the uninterrupted ones")
+            records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            if manifest["args"].get("resume"):  # resumed from a checkpoint outside it: only the later steps are here
+                print(f"skipping {run_dir}: resumed from a checkpoint of another directory; score that run instead")
                 continue
-            records = [json.loads(line) for line in (manifest_path.parent / "metrics.jsonl").read_text().splitlines()]
+            if not (run_dir / "final.json").is_file():
+                last = max((r["step"] for r in records), default=0)
+                print(f"skipping {run_dir}: incomplete (reached step {last} of {manifest['args']['total_timesteps']})")
+                continue
             episodes = [(r["step"], r["charts/episodic_return"]) for r in records if "charts/episodic_return" in r]
             evals = [r["eval/episodic_return"] for r in records if "eval/episodic_return" in r]
             if episodes:
                 runs[game_name(manifest["args"]["env_id"])].append(
-                    {"dir": manifest_path.parent, "seed": manifest["args"]["seed"], "episodes": episodes,
-                     "evals": evals, "steps": manifest["args"]["total_timesteps"]})
+                    {"dir": run_dir, "seed": manifest["args"]["seed"], "episodes": episodes, "evals": evals,
+                     "steps": json.loads((run_dir / "final.json").read_text())["global_step"]})
     return runs
 
 

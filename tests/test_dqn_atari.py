@@ -1,9 +1,12 @@
-"""dqn_atari.py: wrappers on a real ALE game, the frame-sharing replay buffer, and end-to-end runs as subprocesses
-(python and torchrun with 2 ranks): determinism, a negative control, save + evaluate, exact resume, bad input."""
+"""dqn_atari.py: wrappers on a real ALE game, the frame-sharing replay buffer, the loss, the update and evaluation on
+hand-built inputs, and end-to-end runs as subprocesses (python and torchrun with 2 ranks): determinism, a negative
+control, update counts, save + evaluate, exact resume in the checkpoint's run directory, bad input."""
 
+import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +15,17 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from gymnasium.wrappers import AtariPreprocessing
 
 import dqn_atari as dqn
+from common import atari
 from common.tracking import strip_wall_clock
 
 ROOT = Path(__file__).resolve().parent.parent
 # A few hundred updates on a tiny buffer: every phase runs (collection, learning, target copies, a checkpoint
 # halfway, logging, save + one evaluation game) in about 20 s on 2 CPU cores.
 TINY = ["--total-timesteps", "1200", "--learning-starts", "400", "--buffer-size", "600", "--batch-size", "8",
-        "--target-network-frequency", "200", "--checkpoint-frequency", "600", "--save-model", "--eval-episodes", "1"]
+        "--target-network-frequency", "200", "--save-every", "600", "--save-model", "--eval-episodes", "1"]
 
 
 def run(args: list[str], run_root: Path, nproc: int = 0) -> subprocess.CompletedProcess:
@@ -55,7 +60,7 @@ def final(run_dir: Path) -> dict:
 # Wrappers on a real game
 # ---------------------------------------------------------------------------------------------------------------------
 def test_observations_are_stacked_84x84_uint8_frames():
-    env = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
+    env = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
     obs, _ = env.reset(seed=0)
     assert obs.shape == (4, 84, 84) and obs.dtype == np.uint8 and env.observation_space.shape == (4, 84, 84)
     assert all(np.array_equal(obs[0], frame) for frame in obs)  # reset pads with copies of the first frame
@@ -71,16 +76,16 @@ def test_observations_are_stacked_84x84_uint8_frames():
 def test_noop_start_varies_the_first_frame_and_fire_starts_the_game():
     frames = []
     for seed in range(8):
-        env = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
+        env = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
         env.reset(seed=seed)
         frames.append(env.unwrapped.ale.getEpisodeFrameNumber())
     # 1..30 no-op frames, then FIRE and one more action (4 frames each) from FireResetEnv
     assert all(1 + 8 <= n <= 30 + 8 for n in frames) and len(set(frames)) > 3
-    assert dqn.FireResetEnv in {type(layer) for layer in dqn.wrapper_layers(env)}
+    assert atari.FireResetEnv in {type(layer) for layer in atari.wrapper_layers(env)}
 
 
 def test_life_loss_ends_the_episode_but_not_the_game():
-    env = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
+    env = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
     env.reset(seed=0)
     ale = env.unwrapped.ale
     terminated = False
@@ -94,9 +99,9 @@ def test_life_loss_ends_the_episode_but_not_the_game():
 
 
 def test_rewards_are_clipped_but_episode_returns_are_not():
-    env = dqn.make_env("SpaceInvadersNoFrameskip-v4", 108_000)()
+    env = atari.make_env("SpaceInvadersNoFrameskip-v4", 108_000)()
     env.reset(seed=0)
-    stats = next(layer for layer in dqn.wrapper_layers(env) if isinstance(layer, dqn.RecordEpisodeStatistics))
+    stats = next(layer for layer in atari.wrapper_layers(env) if isinstance(layer, atari.RecordEpisodeStatistics))
     rng, clipped = np.random.default_rng(0), 0.0
     for _ in range(300):
         _, reward, *_ = env.step(int(rng.integers(6)))
@@ -107,7 +112,7 @@ def test_rewards_are_clipped_but_episode_returns_are_not():
 
 def test_v5_id_runs_the_v4_protocol():
     def rollout(env_id: str) -> list[bytes]:
-        env = dqn.make_env(env_id, 108_000)()
+        env = atari.make_env(env_id, 108_000)()
         obs, _ = env.reset(seed=3)
         out = [obs.tobytes()]
         for action in np.random.default_rng(0).integers(4, size=100):
@@ -119,13 +124,35 @@ def test_v5_id_runs_the_v4_protocol():
 
 
 def test_time_limit_truncates_without_terminating():
-    env = dqn.make_env("BreakoutNoFrameskip-v4", 80)()  # 80 emulator frames: truncated before the ball is lost
+    env = atari.make_env("BreakoutNoFrameskip-v4", 80)()  # 80 emulator frames: truncated before the ball is lost
     env.reset(seed=0)
     for _ in range(30):
         _, _, terminated, truncated, _ = env.step(0)
         if terminated or truncated:
             break
     assert truncated and not terminated
+
+
+def test_game_ending_mid_skip_returns_the_current_frame_not_a_stale_one():
+    """Gymnasium's AtariPreprocessing breaks out of the frame skip before reading the screen, so a truncation after 2
+    or 3 of its 4 frames returns the previous step's frame; FreshFinalFrame reads it. Stock one: negative control."""
+    def final_frame(wrapper: type, max_frames: int) -> tuple[np.ndarray, np.ndarray, int]:
+        env = gym.make("BreakoutNoFrameskip-v4", max_num_frames_per_episode=max_frames, disable_env_checker=True)
+        env = wrapper(env, noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False)
+        env.reset(seed=0)
+        for i in range(100):
+            before = env.unwrapped.ale.getEpisodeFrameNumber()
+            obs, _, terminated, truncated, _ = env.step(1 if i % 2 else 2)  # FIRE, RIGHT: ball and paddle move
+            if truncated:
+                return obs, atari.screen_84(env), env.unwrapped.ale.getEpisodeFrameNumber() - before
+        raise AssertionError("no truncation")
+
+    for max_frames in (100, 101):  # with seed 0's no-ops, these budgets end a step after 2 and 3 of its 4 frames
+        fresh, screen, frames_in_step = final_frame(atari.FreshFinalFrame, max_frames)
+        assert frames_in_step < 4
+        np.testing.assert_array_equal(fresh, screen)
+        stale, screen, _ = final_frame(AtariPreprocessing, max_frames)
+        assert not np.array_equal(stale, screen)
 
 
 def test_env_state_round_trip_reproduces_the_future():
@@ -140,14 +167,14 @@ def test_env_state_round_trip_reproduces_the_future():
         return out
 
     actions = np.random.default_rng(1).integers(4, size=400)
-    env = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
+    env = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
     env.reset(seed=5)
     play(env, actions[:50])
-    state = dqn.get_env_state(env)
+    state = atari.get_env_state(env)
     expected = play(env, actions[50:])
-    other = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
+    other = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
     other.reset(seed=99)
-    dqn.set_env_state(other, state)
+    atari.set_env_state(other, state)
     assert play(other, actions[50:]) == expected
 
 
@@ -157,7 +184,7 @@ def test_env_state_round_trip_reproduces_the_future():
 def rollout_into_buffer(capacity: int, steps: int = 300, num_envs: int = 2, max_frames: int = 400):
     """Random play in a SameStep vector env, storing into a ReplayBuffer and recording what the env returned.
     The short time limit makes both terminations (lost lives) and truncations happen."""
-    envs = gym.vector.SyncVectorEnv([dqn.make_env("BreakoutNoFrameskip-v4", max_frames)] * num_envs,
+    envs = gym.vector.SyncVectorEnv([atari.make_env("BreakoutNoFrameskip-v4", max_frames)] * num_envs,
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     buffer = dqn.ReplayBuffer(capacity, num_envs)
     obs, _ = envs.reset(seed=0)
@@ -213,15 +240,19 @@ def test_buffer_after_wrapping_still_matches_and_never_mixes_episodes():
 
 def test_truncated_steps_bootstrap_and_terminated_steps_do_not():
     buffer, recorded = rollout_into_buffer(capacity=1000)
-    env, slot = np.nonzero(buffer.valid)
+    env, slot = buffer.sample_slots(2048, np.random.default_rng(0))  # what the learner would draw
     _, _, _, terminated, next_obs = buffer.transitions(env, slot)
+    seen = {"truncated": 0, "terminated": 0}
     for k, key in enumerate(zip(env.tolist(), slot.tolist())):
         _, _, _, was_terminated, was_truncated, final_obs, _ = recorded[key]
         if was_truncated and not was_terminated:
             assert terminated[k] == 0.0
             np.testing.assert_array_equal(next_obs[k], final_obs)  # the real last observation, not the reset one
+            seen["truncated"] += 1
         if was_terminated:
             assert terminated[k] == 1.0
+            seen["terminated"] += 1
+    assert seen["truncated"] > 0 and seen["terminated"] > 0, seen  # both kinds were actually sampled
     rewards, next_q = torch.tensor([1.0, 1.0]), torch.tensor([10.0, 10.0])
     target = dqn.td_target(rewards, torch.tensor([0.0, 1.0]), next_q, gamma=0.9)
     assert target.tolist() == [1.0 + 0.9 * 10.0, 1.0]
@@ -238,18 +269,138 @@ def test_sampling_draws_only_stored_transitions_from_every_env_and_is_reproducib
 
 
 def test_a_million_transitions_fit_in_8_gb():
-    buffer = dqn.ReplayBuffer(1_000_000, 1)  # np.zeros: nothing is touched, so this allocates no RAM
-    total = sum(array.nbytes for array in buffer.state_dict().values())
-    assert total < 8e9, total
+    """Resident memory after writing every byte of a 1M buffer (np.zeros alone would allocate nothing)."""
+    code = ("import dqn_atari, numpy as np\n"
+            "rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1]) * 1024\n"
+            "before = rss()\nbuffer = dqn_atari.ReplayBuffer(1_000_000, 1)\n"
+            "for array in buffer.state_dict().values():\n    array.fill(1)\n"
+            "print(rss() - before)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    resident = int(result.stdout.split()[-1])
+    assert 6.5e9 < resident < 8e9, resident  # all of it really resident, and under 8 GB
 
 
-def test_to_device_packs_one_block_and_unpacks_exactly():
-    arrays = (np.arange(6, dtype=np.uint8).reshape(2, 3), np.array([3, 1], dtype=np.int64),
-              np.array([0.5, -1.0], dtype=np.float32))
-    out = dqn.to_device(arrays, torch.device("cpu"))
-    for a, t in zip(arrays, out):
-        np.testing.assert_array_equal(t.numpy(), a)
-        assert t.shape == a.shape
+# ---------------------------------------------------------------------------------------------------------------------
+# The algorithm on hand-built inputs: loss, update, gradient averaging, evaluation, seeds, defaults
+# ---------------------------------------------------------------------------------------------------------------------
+class TableQ(torch.nn.Module):
+    """Q-values looked up by state id (obs[:, 0]): a network whose outputs are known exactly."""
+
+    def __init__(self, table: list[list[float]]) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.tensor(table))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.table[obs[:, 0]]
+
+
+def test_td_loss_on_hand_built_networks():
+    online, target = TableQ([[1.0, 2.0], [4.0, 0.0]]), TableQ([[3.0, 5.0], [7.0, 6.0]])
+    obs, next_obs = torch.tensor([[0], [1]]), torch.tensor([[0], [1]])
+    batch = [obs, torch.tensor([1, 0]), torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), next_obs]
+    loss, q_mean = dqn.td_loss(online, target, batch, gamma=0.9)
+    # y0 = 1 + 0.9 * max(3, 5) = 5.5 against Q = 2; y1 = 0 (terminal) against Q = 4: ((2 - 5.5)^2 + 4^2) / 2
+    assert loss.item() == pytest.approx(((2 - 5.5) ** 2 + 16) / 2) and q_mean.item() == pytest.approx(3.0)
+    loss.backward()
+    assert target.table.grad is None  # the target is not trained
+    # d loss / d Q(s0, a=1) = (2 - 5.5), d / d Q(s1, a=0) = 4; untaken actions get nothing
+    torch.testing.assert_close(online.table.grad, torch.tensor([[0.0, -3.5], [4.0, 0.0]]))
+
+
+def random_batch(size: int, seed: int = 0) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(rng.integers(0, 256, (size, 4, 84, 84), dtype=np.uint8)),
+            torch.from_numpy(rng.integers(0, 4, size)), torch.from_numpy(rng.normal(size=size).astype(np.float32)),
+            torch.from_numpy((rng.random(size) < 0.2).astype(np.float32)),
+            torch.from_numpy(rng.integers(0, 256, (size, 4, 84, 84), dtype=np.uint8))]
+
+
+def test_update_overfits_a_fixed_batch():
+    """A no-op step, a flipped sign or a detached loss would leave the loss where it is."""
+    torch.manual_seed(0)
+    q_network, target_network = dqn.QNetwork(4), dqn.QNetwork(4)
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=1e-3, fused=True)
+    batch = random_batch(8)
+    first = dqn.update(q_network, target_network, optimizer, batch, 0.99, world_size=1)[0].item()
+    for _ in range(15):
+        last = dqn.update(q_network, target_network, optimizer, batch, 0.99, world_size=1)[0].item()
+    assert last < 0.1 * first, (first, last)
+
+
+GRADIENT_WORKER = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import dqn_atari as dqn
+from tests.test_dqn_atari import random_batch
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+q_network, target_network = dqn.QNetwork(4), dqn.QNetwork(4)
+half = [t[rank * 16:(rank + 1) * 16] for t in random_batch(32)]
+loss, _ = dqn.td_loss(q_network, target_network, half, 0.99)
+loss.backward()
+dqn.average_gradients(list(q_network.parameters()), dist.get_world_size())
+if rank == 0:
+    torch.save([p.grad for p in q_network.parameters()], sys.argv[2])
+dist.destroy_process_group()
+"""
+
+
+def test_two_rank_averaged_gradient_equals_the_one_rank_gradient_on_the_combined_batch(tmp_path: Path):
+    (tmp_path / "worker.py").write_text(GRADIENT_WORKER)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(tmp_path / "worker.py"), str(ROOT), str(tmp_path / "grads.pt")], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    averaged = torch.load(tmp_path / "grads.pt")
+    torch.manual_seed(0)
+    q_network, target_network = dqn.QNetwork(4), dqn.QNetwork(4)
+    dqn.td_loss(q_network, target_network, random_batch(32), 0.99)[0].backward()
+    for mine, theirs in zip((p.grad for p in q_network.parameters()), averaged):
+        torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-7)  # summation order differs, nothing else
+
+
+class CountingQ(dqn.QNetwork):
+    """Always prefers action 2 and counts how many observations it was asked about."""
+
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += len(x)
+        return torch.tensor([[0.0, 0.0, 1.0, 0.0]]).repeat(len(x), 1)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.3])
+def test_evaluation_acts_with_its_epsilon(epsilon: float):
+    network = CountingQ()
+    args = dqn.Args(eval_episodes=1, eval_epsilon=epsilon, max_episode_frames=2000)
+    (_, length), = dqn.evaluate(network, args, torch.device("cpu"), None)
+    greedy_share = network.calls / length
+    assert abs(greedy_share - (1 - epsilon)) < 0.08, (greedy_share, length)
+
+
+def test_rank_and_environment_seeds_never_collide():
+    seeds = {}
+    for seed in (1, 2, 3):
+        for rank in (0, 1):
+            rng, env_seeds = atari.rank_streams(seed, rank, 4)
+            seeds[(seed, rank)] = (rng.integers(2**62), *env_seeds)
+    values = [v for group in seeds.values() for v in group]
+    assert len(set(values)) == len(values)  # seed 1 rank 1 is not seed 2 rank 0; seeds share no env seed
+    assert atari.rank_streams(1, 1, 4)[1] == list(seeds[(1, 1)][1:])  # and they are reproducible
+
+
+def test_defaults_are_the_nature_cleanrl_table():
+    defaults = dataclasses.asdict(dqn.Args())
+    expected = {"seed": 1, "total_timesteps": 10_000_000, "learning_rate": 1e-4, "buffer_size": 1_000_000,
+                "gamma": 0.99, "tau": 1.0, "target_network_frequency": 1000, "batch_size": 32, "start_e": 1.0,
+                "end_e": 0.01, "exploration_fraction": 0.10, "learning_starts": 80_000, "train_frequency": 4,
+                "num_envs": 1, "max_episode_frames": 108_000, "eval_epsilon": 0.05, "deterministic": True,
+                "env_id": "BreakoutNoFrameskip-v4"}
+    assert {key: defaults[key] for key in expected} == expected
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -267,15 +418,27 @@ def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_python_run_logs_saves_and_evaluates(python_run: Path):
     keys = set().union(*(json.loads(line) for line in (python_run / "metrics.jsonl").read_text().splitlines()))
-    for key in ("charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/epsilon",
-                "losses/td_loss", "losses/q_values", "eval/episodic_return"):
+    for key in ("charts/episodic_return", "charts/episodic_length", "charts/epsilon", "losses/td_loss",
+                "losses/q_values", "eval/episodic_return"):
         assert key in keys, key
+    assert "charts/SPS" in (python_run / "perf.jsonl").read_text()  # wall-clock measures live apart
     record = final(python_run)
     assert record["global_step"] == 1200 and record["ranks_agree"] and len(record["eval_returns"]) == 1
+    evals = [json.loads(line) for line in (python_run / "metrics.jsonl").read_text().splitlines()
+             if "eval/episodic_return" in line]
+    assert [r["step"] for r in evals] == [1200]  # logged at the final step, so a resume's cut-back keeps them right
     state = torch.load(python_run / "dqn_atari.cleanrl_model", weights_only=True)
     assert dqn.parameter_hash(state) == record["parameter_sha256"]
     assert (python_run / "checkpoints" / "latest").read_text().strip() == "step_00001200"
     assert list(python_run.glob("events.out.tfevents.*")) and (python_run / "manifest.json").is_file()
+
+
+def test_update_counts_follow_the_schedule(python_run: Path):
+    """One update per 4 global steps after learning starts: steps 404, 408, ..., 1200 = 200 updates; target copies at
+    600, 800, 1000, 1200. The last one happens at the final step, so the target equals the online network."""
+    record = final(python_run)
+    assert (record["updates"], record["target_updates"]) == (200, 4)
+    assert record["target_sha256"] == record["parameter_sha256"]
 
 
 def test_python_runs_are_bitwise_reproducible(python_run: Path, tmp_path: Path):
@@ -290,13 +453,35 @@ def test_a_different_seed_gives_a_different_run(python_run: Path, tmp_path: Path
     assert metric_lines(other) != metric_lines(python_run)
 
 
-def test_resume_equals_the_uninterrupted_run(python_run: Path, tmp_path: Path):
-    resumed = run_ok([*TINY, "--resume", str(python_run / "checkpoints" / "step_00000600")], tmp_path)
-    tail = metric_lines(resumed)
-    assert tail and metric_lines(python_run)[-len(tail):] == tail
-    assert all(json.loads(line)["step"] <= 600 for line in metric_lines(python_run)[: -len(tail)])
+def resume_in_copy(run_dir: Path, tmp_path: Path, extra: list[str], nproc: int = 0) -> Path:
+    """Resume a copy of `run_dir` from its step-600 checkpoint; the resumed run must continue in that copy."""
+    copy = tmp_path / run_dir.name
+    shutil.copytree(run_dir, copy)
+    (tmp_path / "root").mkdir()
+    result = run([*extra, "--resume", str(copy / "checkpoints" / "step_00000600")], tmp_path / "root", nproc)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert not any((tmp_path / "root").iterdir())  # no new run directory
+    assert json.loads((copy / "manifest.json").read_text())["resumed"][0]["from_step"] == 600
+    return copy
+
+
+def test_resume_continues_in_the_run_directory_and_equals_the_uninterrupted_run(python_run: Path, tmp_path: Path):
+    resumed = resume_in_copy(python_run, tmp_path, TINY)
+    assert metric_lines(resumed) == metric_lines(python_run)  # cut back to step 600, then the same records again
     assert final(resumed)["parameter_sha256"] == final(python_run)["parameter_sha256"]
     assert final(resumed)["target_sha256"] == final(python_run)["target_sha256"]
+    assert (final(resumed)["updates"], final(resumed)["target_updates"]) == (200, 4)
+
+
+def test_resume_refuses_changed_arguments_and_lists_them_all(python_run: Path, tmp_path: Path):
+    checkpoint = str(python_run / "checkpoints" / "step_00000600")
+    result = run([*TINY, "--learning-rate", "0.001", "--gamma", "0.9", "--end-e", "0.1", "--resume", checkpoint],
+                 tmp_path / "a")
+    assert result.returncode == 2, result.stderr[-2000:]
+    for line in ("--learning-rate: checkpoint 0.0001, now 0.001", "--gamma: checkpoint 0.99, now 0.9", "--end-e"):
+        assert line in result.stderr
+    result = run([*TINY, "--total-timesteps", "500", "--resume", checkpoint], tmp_path / "b")
+    assert result.returncode == 2 and "--total-timesteps" in result.stderr  # shrinking below the checkpoint
 
 
 def test_world_size_one_under_torchrun_equals_plain_python(python_run: Path, tmp_path: Path):
@@ -307,6 +492,8 @@ def test_world_size_one_under_torchrun_equals_plain_python(python_run: Path, tmp
 
 def test_torchrun_two_ranks_agree_and_are_reproducible(torchrun_run: Path, tmp_path: Path):
     assert final(torchrun_run)["ranks_agree"]
+    # 2 global steps per iteration: updates at 404, ..., 1200 (200) and target copies at 600, ..., 1200 (4)
+    assert (final(torchrun_run)["updates"], final(torchrun_run)["target_updates"]) == (200, 4)
     files = {p.name for p in (torchrun_run / "checkpoints" / "step_00000600").iterdir()}
     assert {"trainer_state.pt", "rank0.pt", "rank1.pt", "rank0_buffer_frames.npy", "rank1_buffer_frames.npy"} <= files
     again = run_ok(TINY, tmp_path, nproc=2)
@@ -315,16 +502,24 @@ def test_torchrun_two_ranks_agree_and_are_reproducible(torchrun_run: Path, tmp_p
 
 
 def test_torchrun_resume_equals_the_uninterrupted_run(torchrun_run: Path, tmp_path: Path):
-    resumed = run_ok([*TINY, "--resume", str(torchrun_run / "checkpoints" / "step_00000600")], tmp_path, nproc=2)
-    tail = metric_lines(resumed)
-    assert tail and metric_lines(torchrun_run)[-len(tail):] == tail
+    resumed = resume_in_copy(torchrun_run, tmp_path, TINY, nproc=2)
+    assert metric_lines(resumed) == metric_lines(torchrun_run)
     assert final(resumed)["parameter_sha256"] == final(torchrun_run)["parameter_sha256"]
 
 
-def test_several_envs_per_rank_run(tmp_path: Path):
-    run_dir = run_ok([*TINY, "--num-envs", "3", "--total-timesteps", "900", "--checkpoint-frequency", "0"], tmp_path)
-    assert final(run_dir)["global_step"] == 900
+def test_three_envs_per_rank_update_as_the_schedule_implies(tmp_path: Path):
+    run_dir = run_ok([*TINY, "--num-envs", "3", "--total-timesteps", "900", "--save-every", "0"], tmp_path)
+    # 3 steps per iteration: the first past 400 is 402, so updates count multiples of 4 in (399, 900]: 225 - 99
+    assert (final(run_dir)["global_step"], final(run_dir)["updates"], final(run_dir)["target_updates"]) == (900, 126, 3)
     assert any("charts/episodic_return" in line for line in metric_lines(run_dir))
+
+
+def test_resume_with_two_envs_equals_the_uninterrupted_run(tmp_path: Path):
+    two_envs = [*TINY, "--num-envs", "2"]
+    full = run_ok(two_envs, tmp_path / "full")
+    resumed = resume_in_copy(full, tmp_path / "resumed", two_envs)
+    assert metric_lines(resumed) == metric_lines(full)
+    assert final(resumed)["parameter_sha256"] == final(full)["parameter_sha256"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -357,17 +552,14 @@ def test_capture_video_without_moviepy_says_what_to_install(tmp_path: Path):
     assert result.returncode == 2 and "pip install moviepy" in result.stderr
 
 
-def test_checkpoint_from_another_env_or_network_is_refused(python_run: Path, tmp_path: Path):
+def test_checkpoint_from_another_env_world_or_script_is_refused(python_run: Path, tmp_path: Path):
     checkpoint = python_run / "checkpoints" / "step_00000600"
     result = run([*TINY, "--env-id", "PongNoFrameskip-v4", "--resume", str(checkpoint)], tmp_path / "a")
-    assert result.returncode == 2 and "env_id='BreakoutNoFrameskip-v4'" in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 2 and "--env-id: checkpoint 'BreakoutNoFrameskip-v4'" in result.stderr
+    result = run([*TINY, "--resume", str(checkpoint)], tmp_path / "b", nproc=2)
+    assert result.returncode != 0 and "world size: checkpoint 1, now 2" in result.stderr
     foreign = tmp_path / "foreign"
     foreign.mkdir()
-    trainer = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
-    trainer["q_network"] = {"network.0.weight": torch.zeros(16, 4, 8, 8)}
-    torch.save(trainer, foreign / "trainer_state.pt")
-    result = run([*TINY, "--resume", str(foreign)], tmp_path / "b")
-    assert result.returncode == 2 and "different network" in result.stderr, result.stderr[-2000:]
     torch.save({"model": {}}, foreign / "trainer_state.pt")  # e.g. another script's checkpoint
     result = run([*TINY, "--resume", str(foreign)], tmp_path / "c")
     assert result.returncode == 2 and "not a dqn_atari checkpoint" in result.stderr
@@ -375,8 +567,15 @@ def test_checkpoint_from_another_env_or_network_is_refused(python_run: Path, tmp
 
 def test_benchmark_table_reads_runs_and_draws_curves(python_run: Path, tmp_path: Path):
     pytest.importorskip("matplotlib")
-    result = subprocess.run([sys.executable, "benchmarks/dqn_table.py", str(python_run.parent), "--out", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    shutil.copytree(python_run, tmp_path / "runs" / "complete")
+    shutil.copytree(python_run, tmp_path / "runs" / "died")
+    died = tmp_path / "runs" / "died"  # killed at step 600: no final.json, metrics up to 600; never scored
+    (died / "final.json").unlink()
+    lines = (died / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (died / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= 600))
+    result = subprocess.run([sys.executable, "benchmarks/dqn_table.py", str(tmp_path / "runs"), "--out",
+                             str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "| Breakout | 1 | 1200 |" in result.stdout and "not yet run by us" in result.stdout  # Pong, BeamRider
+    assert "died: incomplete (reached step 600 of 1200)" in result.stdout
     assert (tmp_path / "dqn_Breakout.png").stat().st_size > 0 and (tmp_path / "table.md").is_file()
