@@ -31,10 +31,11 @@ class Args:
     """where the model, tokenizer and build_info.json go"""
     seed: int = 1
     """seed of the weight init and of the training batches"""
-    # 650 steps gave 43.4% while 46 test prompts' commutative twins were trained on; without them 650 gives 33.8%,
-    # near the bottom of the 30-75% band, and 700 restores the old starting point (see build_info.json)
-    steps: int = 700
-    """SFT optimizer steps; 700 lands held-out greedy accuracy at about 42%, mid-way up a steep learning curve"""
+    # 650 steps gave 43.4% while 46 test prompts' commutative twins were trained on. Without them: 650 -> 33.8%,
+    # 700 -> 42.4%, 750 -> 50.0%. 750 is chosen because its sampled (temperature 1) reward at GRPO's start, about 0.28,
+    # matches the old model's (0.29), while 700 starts at 0.19 and did not learn in 20 GRPO steps (42.4% -> 40.8%).
+    steps: int = 750
+    """SFT optimizer steps; 750 lands held-out greedy accuracy at about 50%, mid-way up a steep learning curve"""
     batch_size: int = 128
     """sequences per step"""
     learning_rate: float = 1e-3
