@@ -110,11 +110,11 @@ class Args:
     """KL coefficient to the frozen reference model (k3 estimator); 0 loads no reference model"""
     num_iterations: int = 1
     """mu: optimizer steps on each batch of rollouts (old logprobs come from the trainer before the first)"""
-    micro_batch_size: int = 64
-    """completions per forward/backward on each rank (gradient accumulation over the rest)"""
-    reshard_after_forward: bool = True
-    """FSDP2: free each block's gathered weights after forward (least memory); `--no-reshard-after-forward` keeps
-    them until backward, one all-gather per block instead of two (faster when the model is small)"""
+    micro_batch_size: int = 256
+    """completions per forward/backward on each rank (gradient accumulation over the rest; the last may be smaller)"""
+    reshard_after_forward: bool = False
+    """FSDP2: free each block's gathered weights after forward and gather them again for backward (least memory: use
+    `--reshard-after-forward` for billion-parameter models); off, one all-gather per block instead of two"""
     learning_rate: float = 2e-4
     """AdamW peak learning rate"""
     weight_decay: float = 0.0
@@ -148,10 +148,6 @@ def check_args(args: Args, world_size: int) -> None:
     check_llm_args(args, world_size)
     if args.num_iterations <= 0:
         fail(f"--num-iterations must be positive, got {args.num_iterations}")
-    per_rank = args.prompts_per_step // world_size * args.num_generations
-    if per_rank % args.micro_batch_size:
-        fail(f"completions per rank ({args.prompts_per_step} prompts / {world_size} ranks x {args.num_generations} "
-             f"generations = {per_rank}) must be divisible by --micro-batch-size {args.micro_batch_size}")
     if args.scale_rewards == "group" and args.num_generations < 2:
         fail("--num-generations must be at least 2 to compute a group's reward std")
     if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.beta < 0 or args.tis_cap < 0:
@@ -260,7 +256,8 @@ if __name__ == "__main__":
     # the frozen reference is the starting model of the whole run, also after a resume
     reference = load_model(args.model_name_or_path, args.dtype, device, world_size, trainable=False,
                            reshard_after_forward=args.reshard_after_forward) if args.beta > 0 else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                  foreach=True)  # one op per step for all shards, not one per tensor
     total_updates = args.total_steps * args.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: learning_rate_factor(
         update, args.warmup_steps, total_updates, args.lr_schedule))
@@ -324,7 +321,8 @@ if __name__ == "__main__":
         # --- update: mu optimizer steps on this batch, gradient accumulation over micro-batches ---
         train_start = time.time()
         policy.train()
-        micro_batches = [range(s, s + args.micro_batch_size) for s in range(0, len(samples), args.micro_batch_size)]
+        micro_batches = [range(s, min(s + args.micro_batch_size, len(samples)))
+                         for s in range(0, len(samples), args.micro_batch_size)]
         batches = [make_batch([prompts[r] for r in rows], [completions[r] for r in rows], setup.pad_id, device)
                    for rows in micro_batches]
         rollout_logprobs = [completion_values([samples[r].logprobs for r in rows], b.completion_mask)

@@ -28,6 +28,7 @@ from common.tasks import Example, Task, make_task
 
 CHUNK_ROWS = 256  # rows of the [rows, V] logits turned into float32 at a time
 EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model
+SYNC_BUCKET_BYTES = 256 * 2**20  # full tensors held at once while streaming weights (a 0.5B layer is 30 MB in bf16)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -183,20 +184,28 @@ def load_model(path: str, dtype: str, device: torch.device, world_size: int, tra
 
 def stream_weights(model: torch.nn.Module, dtype: torch.dtype, tied_aliases: bool = True
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's full tensors one at a time (a collective: every rank iterates to the end, in the same order).
-    Each shard is cast before the all-gather, so bfloat16 moves half the bytes, and a tensor shared by several modules
-    (tied embeddings) is gathered once. With `tied_aliases` it is then also yielded under its other names, right
-    away: vLLM's in-place reload rebuilds every layer that receives no weights from its old copy, so a tied
-    `lm_head` left unnamed would keep stale weights; a file export wants each tensor once. Buffers are left out on
-    purpose: the ones HF models have (rotary tables) are recomputed by every engine and are not in checkpoints."""
+    """The model's full tensors, gathered in buckets of about SYNC_BUCKET_BYTES (a collective: every rank iterates
+    to the end, in the same order). Within a bucket the all-gathers run back to back, so ranks do not wait on each
+    other's consumer (e.g. vLLM's loader) after every tensor; across buckets, memory stays bounded. Each shard is cast
+    before its all-gather, so bfloat16 moves half the bytes, and a tensor shared by several modules (tied embeddings)
+    is gathered once. With `tied_aliases` it is also yielded under its other names, right after: vLLM's in-place
+    reload rebuilds every layer that receives no weights from its old copy, so a tied `lm_head` left unnamed would
+    keep stale weights; a file export wants each tensor once. Buffers are left out on purpose: the ones HF models
+    have (rotary tables) are recomputed by every engine and are not in checkpoints."""
     aliases: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(parameter), []).append(name)
+    bucket: list[tuple[str, torch.Tensor]] = []
+    bucket_bytes = 0
     for name, parameter in model.named_parameters():
         tensor = parameter.detach().to(dtype)
         tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        for alias in aliases[id(parameter)] if tied_aliases else [name]:
-            yield alias, tensor
+        bucket += [(alias, tensor) for alias in (aliases[id(parameter)] if tied_aliases else [name])]
+        bucket_bytes += tensor.numel() * tensor.element_size()
+        if bucket_bytes >= SYNC_BUCKET_BYTES:
+            yield from bucket
+            bucket, bucket_bytes = [], 0
+    yield from bucket
 
 
 # ------------------------------------------------------------------------------------------------------------------
