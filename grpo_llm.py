@@ -91,7 +91,7 @@ class Args:
     """sampling temperature; logprobs (rollout and trainer) are taken after it"""
 
     # --- GRPO ---
-    total_steps: int = 200
+    total_steps: int = 400
     """number of GRPO steps (rollout + update)"""
     prompts_per_step: int = 64
     """prompts per step across all ranks"""
@@ -115,7 +115,7 @@ class Args:
     reshard_after_forward: bool = False
     """FSDP2: free each block's gathered weights after forward and gather them again for backward (least memory: use
     `--reshard-after-forward` for billion-parameter models); off, one all-gather per block instead of two"""
-    learning_rate: float = 2e-4
+    learning_rate: float = 3e-4
     """AdamW peak learning rate"""
     weight_decay: float = 0.0
     """AdamW weight decay"""

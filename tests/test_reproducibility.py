@@ -48,7 +48,7 @@ def test_resume_refuses_changed_arguments(grpo_reference_run: Path, tmp_path: Pa
                                         str(checkpoint), "--run-root", str(tmp_path)], nproc=2, timeout=180)
     assert result.returncode != 0
     assert "--seed: checkpoint 1, now 3" in result.stderr
-    assert "--learning-rate: checkpoint 0.0002, now 0.001" in result.stderr
+    assert "--learning-rate: checkpoint 0.0003, now 0.001" in result.stderr
     assert sorted(p.name for p in grpo_reference_run.rglob("*")) == before  # nothing touched
 
 
