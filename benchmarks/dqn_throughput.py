@@ -3,21 +3,22 @@ test: the machine's load changes them, so compare scripts side by side in one si
 and read the ratio, never a number from another day.
 
     python benchmarks/dqn_throughput.py --scripts ../dqn_old/dqn_atari.py dqn_atari.py --repeats 3
-    python benchmarks/dqn_throughput.py --scripts ../dqn_old/dqn_atari.py dqn_atari.py --full-buffer --repeats 2
+    python benchmarks/dqn_throughput.py --scripts ../dqn_old/dqn_atari.py dqn_atari.py --alternate
+    python benchmarks/dqn_throughput.py --scripts ../dqn_old/dqn_atari.py dqn_atari.py --alternate --capacity 1000000
     python benchmarks/dqn_throughput.py --memory-only
 
-Phases (--scripts): each script runs Breakout with CleanRL's defaults except the budget (--total-timesteps 20000,
---learning-starts 10000, --buffer-size 20000, epsilon decaying 1 -> 0.01 over the first 2000 steps) at the machine's
+Phases (--scripts): each script runs Breakout with CleanRL's defaults except the budget (--total-timesteps 5000,
+--learning-starts 3000, --buffer-size 20000, epsilon decaying 1 -> 0.01 over the first 1250 steps) at the machine's
 default thread count unless --threads is given. Steps/s come from the charts/SPS records (cumulative, every 100
 steps) turned back into elapsed times, over two steady windows of the same run, both at epsilon 0.01 (the network
-acts on 99% of steps, as in 90% of a real run): collection from step 2000 to 10000 (acting only) and learning from
-step 11000 to 20000 (acting plus one batch-32 update every 4 steps). Start-up and the first 1000 learning steps are
-outside both windows.
+acts on 99% of steps, as in 90% of a real run): collection from step 1500 to 3000 (acting only) and learning from
+step 3500 to 5000 (acting plus one batch-32 update every 4 steps: 375 updates). Start-up and the first 500 learning
+steps are outside both windows. Short runs, many interleaved repeats: the load of a shared machine drifts by minutes.
 
---full-buffer: the learning step with a full 1M-frame buffer (7 GB filled, every slot a valid transition), without
-environments: per update, 4 epsilon-0.01 actions on observations drawn from the buffer, one batch-32 sample and one
-update, as each script's loop does them (e0b05ef's update sits inline in its loop; the 8 lines are repeated below).
-Each script runs in its own process.
+--alternate: both scripts' learning step in one process, alternating every 25 updates for 10 rounds, so a drifting
+load hits both alike (the robust measure on a shared machine). A learning step: 4 x (epsilon-0.01 action, Breakout env
+step, buffer add), one batch-32 sample, one update; e0b05ef's update sits inline in its loop, so its lines are
+repeated in `alternating` below. --capacity 1000000 runs it with a full 1M buffer (7 GB filled, every slot valid).
 """
 
 import argparse
@@ -33,9 +34,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASE_ARGS = ["--total-timesteps", "20000", "--learning-starts", "10000", "--buffer-size", "20000",
-              "--exploration-fraction", "0.1"]
-COLLECT_WINDOW, LEARN_WINDOW = (2000, 10000), (11000, 20000)
+PHASE_ARGS = ["--total-timesteps", "5000", "--learning-starts", "3000", "--buffer-size", "20000",
+              "--exploration-fraction", "0.25"]
+COLLECT_WINDOW, LEARN_WINDOW = (1500, 3000), (3500, 5000)
 
 
 def rss_bytes() -> int:
@@ -82,39 +83,59 @@ def measure_phases(script: Path, threads: int | None) -> dict[str, float]:
     return {"collect_sps": window_sps(records, COLLECT_WINDOW), "learn_sps": window_sps(records, LEARN_WINDOW)}
 
 
-def full_buffer_worker(script: Path, updates: int) -> dict[str, float]:
-    """Learning steps/s (4 actions + 1 update) with a full 1M buffer, using the script's buffer, network, update."""
-    sys.path.insert(0, str(script.parent))
-    spec = importlib.util.spec_from_file_location("dqn_under_test", script)
-    dqn = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dqn)
+def load_module(name: str, script: Path):
+    """Import a dqn_atari.py by path (an older commit's runs against this tree's common/, whose names it uses)."""
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def alternating(old_script: Path, new_script: Path, capacity: int, rounds: int, updates: int) -> list[dict]:
+    """Both scripts' learning step in one process, alternating every `updates` updates for `rounds` rounds, so a
+    drifting machine load hits both alike. A learning step is what each loop does between two updates: 4 times
+    (epsilon-0.01 action, env step, buffer add), then one batch-32 sample and one update. Each script has its own
+    Breakout env, network and optimizer; both use one replay buffer of `capacity` frames, filled up front (every
+    slot a valid transition, all pages resident), since both scripts' buffers are the same code."""
+    sys.path.insert(0, str(ROOT))
+    import gymnasium as gym
     import torch
     import torch.distributed as dist
 
-    dqn.seed_everything(1, True)
-    dqn.init_distributed()
-    buffer = dqn.ReplayBuffer(1_000_000, 1)
+    old, new = load_module("dqn_old", old_script), load_module("dqn_new", new_script)
+    new.seed_everything(1, True)
+    new.init_distributed()
+    buffer = new.ReplayBuffer(capacity, 1)
     rng = np.random.default_rng(0)
-    buffer.frames[...] = rng.integers(0, 256, size=(84, 84), dtype=np.uint8)  # touches all 7 GB
-    buffer.position[...], buffer.valid[...], buffer.size[...] = 3, True, 1_000_000
-    buffer.actions[...] = rng.integers(4, size=buffer.actions.shape)
-    q_network, target_network = dqn.QNetwork(4), dqn.QNetwork(4)
+    buffer.frames[...] = rng.integers(0, 256, size=(84, 84), dtype=np.uint8)  # touches every page
+    buffer.position[...], buffer.valid[...], buffer.size[...] = 3, True, capacity
     device = torch.device("cpu")
-    if hasattr(dqn, "update"):  # this commit: fused Adam, update() skips the all-reduce for one rank
-        optimizer = torch.optim.Adam(q_network.parameters(), lr=1e-4, fused=True)
 
-        def learn(arrays):
-            batch = [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
-            dqn.update(q_network, target_network, optimizer, batch, 0.99, 1)
+    def make(module, env_factory):
+        envs = gym.vector.SyncVectorEnv([env_factory("BreakoutNoFrameskip-v4", 108_000)],
+                                        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+        obs = envs.reset(seed=[1])[0]
+        return envs, obs, module.QNetwork(4), module.QNetwork(4)
 
-        def act(obs):
-            return dqn.act(q_network, obs, 0.01, rng, device)
-    else:  # e0b05ef: its loop's update and acting, repeated
+    def old_variant():  # e0b05ef's loop body: no_grad acting, default Adam, all-reduce and copy-back at any world size
+        envs, obs, q_network, target_network = make(old, old.make_env)
         optimizer = torch.optim.Adam(q_network.parameters(), lr=1e-4)
         params = list(q_network.parameters())
+        state = {"obs": obs}
 
-        def learn(arrays):
-            loss, q_mean = dqn.td_loss(q_network, target_network, dqn.to_device(arrays, device), 0.99)
+        def learning_step():
+            for _ in range(4):
+                explore = rng.random(1) < 0.01
+                actions = rng.integers(4, size=1)
+                if not explore.all():
+                    with torch.no_grad():
+                        greedy = q_network(torch.from_numpy(state["obs"]).to(device)).argmax(dim=1).cpu().numpy()
+                    actions = np.where(explore, actions, greedy)
+                next_obs, rewards, terminated, truncated, infos = envs.step(actions)
+                buffer.add(actions, rewards, terminated, truncated, next_obs, infos.get("final_obs"))
+                state["obs"] = next_obs
+            batch = old.to_device(buffer.sample(32, rng), device)
+            loss, q_mean = old.td_loss(q_network, target_network, batch, 0.99)
             optimizer.zero_grad()
             loss.backward()
             flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach()[None], q_mean.detach()[None]])
@@ -125,29 +146,40 @@ def full_buffer_worker(script: Path, updates: int) -> dict[str, float]:
                 p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
                 offset += p.numel()
             optimizer.step()
+        return learning_step
 
-        def act(obs):
-            explore = rng.random(1) < 0.01
-            actions = rng.integers(4, size=1)
-            if not explore.all():
-                with torch.no_grad():
-                    greedy = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
-                actions = np.where(explore, actions, greedy)
-            return actions
+    def new_variant():  # this commit's loop body, through its own functions
+        envs, obs, q_network, target_network = make(new, new.make_env)
+        optimizer = torch.optim.Adam(q_network.parameters(), lr=1e-4, fused=True)
+        state = {"obs": obs}
 
-    def one_update():
-        for _ in range(4):
-            act(buffer.sample(1, rng)[0])
-        learn(buffer.sample(32, rng))
+        def learning_step():
+            for _ in range(4):
+                actions = new.act(q_network, state["obs"], 0.01, rng, device)
+                next_obs, rewards, terminated, truncated, infos = envs.step(actions)
+                buffer.add(actions, rewards, terminated, truncated, next_obs, infos.get("final_obs"))
+                state["obs"] = next_obs
+            batch = [torch.from_numpy(a).to(device, non_blocking=True) for a in buffer.sample(32, rng)]
+            new.update(q_network, target_network, optimizer, batch, 0.99, 1)
+        return learning_step
 
-    for _ in range(10):  # warm-up
-        one_update()
-    start = time.perf_counter()
-    for _ in range(updates):
-        one_update()
-    elapsed = time.perf_counter() - start
+    variants = {"e0b05ef": old_variant(), "this": new_variant()}
+    for step in variants.values():  # warm-up
+        for _ in range(5):
+            step()
+    results = []
+    for round_ in range(rounds):
+        row = {}
+        for name, step in variants.items():
+            start = time.perf_counter()
+            for _ in range(updates):
+                step()
+            row[name] = 4 * updates / (time.perf_counter() - start)
+        results.append(row)
+        print(f"  round {round_ + 1}: " + ", ".join(f"{k} {v:.1f} steps/s" for k, v in row.items())
+              + f", ratio {row['this'] / row['e0b05ef']:.3f}", flush=True)
     dist.destroy_process_group()
-    return {"learn_sps": 4 * updates / elapsed}
+    return results
 
 
 def interleaved(scripts: list[Path], repeats: int, run_one) -> list[dict[str, list[float]]]:
@@ -168,27 +200,28 @@ if __name__ == "__main__":
                         help="dqn_atari.py files to compare (e.g. a worktree of an older commit, then this one)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per script")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the runs (default: torch's)")
-    parser.add_argument("--full-buffer", action="store_true", help="learning step with a full 1M buffer")
-    parser.add_argument("--updates", type=int, default=300, help="timed updates per --full-buffer run")
+    parser.add_argument("--alternate", action="store_true",
+                        help="in one process, alternate the two --scripts' learning steps (first = old, last = new)")
+    parser.add_argument("--capacity", type=int, default=20_000, help="replay frames for --alternate (1000000: full)")
+    parser.add_argument("--rounds", type=int, default=10, help="--alternate rounds")
+    parser.add_argument("--updates", type=int, default=25, help="updates per script per --alternate round")
     parser.add_argument("--memory-only", action="store_true")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     cli = parser.parse_args()
-    if cli.worker:
-        print(json.dumps(full_buffer_worker(cli.worker.resolve(), cli.updates)))
-        sys.exit(0)
     print(f"load average {os.getloadavg()}, {os.cpu_count()} CPUs, threads {cli.threads or 'default'}")
     scripts = [s.resolve() for s in cli.scripts]
-    if cli.full_buffer:
-        def run_one(script: Path) -> dict[str, float]:
-            env = {**os.environ, **({"OMP_NUM_THREADS": str(cli.threads)} if cli.threads else {})}
-            out = subprocess.run([sys.executable, __file__, "--worker", str(script), "--updates", str(cli.updates)],
-                                 env=env, check=True, capture_output=True, text=True).stdout
-            return json.loads(out.strip().splitlines()[-1])
+    if cli.memory_only:
+        memory = buffer_memory()
+        print(f"replay buffer, 1M transitions: {memory['GiB']:.2f} GiB of arrays ({memory['bytes'] / 1e9:.2f} GB), "
+              f"{memory['rss_GiB']:.2f} GiB resident once filled; storing obs + next_obs stacks would take "
+              f"{memory['naive_obs_and_next_obs_GiB']:.1f} GiB")
+    elif cli.alternate:
+        rows = alternating(scripts[0], scripts[-1], cli.capacity, cli.rounds, cli.updates)
+        ratios = [row["this"] / row["e0b05ef"] for row in rows]
+        print(f"capacity {cli.capacity}: learning steps/s, median over {cli.rounds} rounds: e0b05ef "
+              f"{np.median([r['e0b05ef'] for r in rows]):.1f}, this {np.median([r['this'] for r in rows]):.1f}; "
+              f"ratio per round median {np.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
     else:
-        def run_one(script: Path) -> dict[str, float]:
-            return measure_phases(script, cli.threads)
-    if not cli.memory_only:
-        results = interleaved(scripts, cli.repeats, run_one)
+        results = interleaved(scripts, cli.repeats, lambda script: measure_phases(script, cli.threads))
         keys = list(results[0])
         print("| script | " + " | ".join(f"{k} (median of {cli.repeats})" for k in keys) + " |")
         print("|---|" + "---|" * len(keys))
@@ -198,8 +231,3 @@ if __name__ == "__main__":
             ratios = [new / old for old, new in zip(results[0][key], results[-1][key])]
             print(f"{key}: last / first script, per interleaved pair: " + ", ".join(f"{r:.2f}" for r in ratios)
                   + f"; median {np.median(ratios):.2f}")
-    else:
-        memory = buffer_memory()
-        print(f"replay buffer, 1M transitions: {memory['GiB']:.2f} GiB of arrays ({memory['bytes'] / 1e9:.2f} GB), "
-              f"{memory['rss_GiB']:.2f} GiB resident once filled; storing obs + next_obs stacks would take "
-              f"{memory['naive_obs_and_next_obs_GiB']:.1f} GiB")
