@@ -275,7 +275,10 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path):
 
 
 def test_grpo_raises_held_out_accuracy(tmp_path: Path):
-    result = run_script("grpo_llm.py", ["--total-steps", "20", "--run-root", str(tmp_path)], nproc=2)
+    """The defaults for a quarter of the run. Accuracy dips in the first 20-40 steps before it climbs (seeds 1-3 of
+    benchmarks/results/grpo_seeds: 46.6-54.2% at step 20, 62.4-64.6% at step 100, from 50.0%)."""
+    result = run_script("grpo_llm.py", ["--total-steps", "100", "--eval-every", "100", "--run-root", str(tmp_path)],
+                        nproc=2)
     check(result)
     metrics = read_metrics(only_run_dir(tmp_path))
     before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
