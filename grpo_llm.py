@@ -28,7 +28,7 @@ import torch.distributed as dist
 import tyro
 
 from common.determinism import effective_determinism_env, parameter_hash, restore_rng_states, seed_everything, seed_rngs
-from common.distributed import all_ranks_ok, fail, init_distributed, reduce_stats
+from common.distributed import fail, init_distributed, reduce_stats
 from common.llm import (
     check_llm_args,
     completion_values,
@@ -351,7 +351,7 @@ if __name__ == "__main__":
                                                                    mismatch_max)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if not all_ranks_ok(math.isfinite(grad_norm)):
+            if not math.isfinite(grad_norm):  # the global norm: every rank sees the same value
                 fail(f"non-finite gradient at step {step} (grad norm {grad_norm}); the last checkpoint is left as "
                      "it was")
             learning_rate = scheduler.get_last_lr()[0]

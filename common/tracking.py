@@ -183,8 +183,3 @@ class RunTracker:
         self.perf_file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
-
-
-def strip_wall_clock(record: dict[str, float]) -> dict[str, float]:
-    """A record without the fields that measure time, for comparing runs."""
-    return {key: value for key, value in record.items() if not key.startswith(WALL_CLOCK_PREFIXES)}

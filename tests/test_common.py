@@ -10,7 +10,6 @@ from common.checkpoint import resolve_checkpoint, save_checkpoint
 from common.determinism import parameter_hash
 from common.rollout import HFEngine, sample_seed
 from common.tasks import AdditionTask, Example, GSM8KTask, gsm8k_flexible, gsm8k_strict, make_task
-from common.tracking import strip_wall_clock
 
 TINY = str(ROOT / "assets" / "tiny-adder")
 
@@ -67,11 +66,6 @@ def test_sample_seed_depends_on_every_coordinate():
                 sample_seed(1, 2, 3, 5)}) == 5
     many = [sample_seed(1, 1, p, 0) for p in range(100)]
     assert all(0 <= s < 2**63 for s in many) and max(many) >= 2**62  # all 63 bits in use, not 31
-
-
-def test_strip_wall_clock():
-    assert strip_wall_clock({"step": 1, "perf/step_s": 2.0, "charts/SPS": 3.0, "train/loss": 4.0}) == {
-        "step": 1, "train/loss": 4.0}
 
 
 def test_addition_task_held_out_split():
