@@ -67,9 +67,12 @@ def _publish(root: Path, step: int, keep_last: int) -> Path:
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """Accept a checkpoint directory or a `checkpoints/` root (then its `latest`). Raises FileNotFoundError."""
+    """Accept a checkpoint directory, a `checkpoints/` root or its `latest` file, or a run directory (the last two
+    mean the checkpoint `latest` names). Raises FileNotFoundError."""
     candidate = Path(path)
-    if (candidate / "latest").is_file():
+    if candidate.name == "latest" and candidate.is_file():
+        candidate = candidate.parent / candidate.read_text().strip()
+    elif (candidate / "latest").is_file():
         candidate = candidate / (candidate / "latest").read_text().strip()
     elif (candidate / "checkpoints" / "latest").is_file():
         candidate = candidate / "checkpoints" / (candidate / "checkpoints" / "latest").read_text().strip()

@@ -25,6 +25,7 @@ def test_checkpoint_publish_and_keep_last(tmp_path: Path):
         save_checkpoint(tmp_path, step, write_state(step), keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002", "step_00000003"]
     assert torch.load(resolve_checkpoint(str(tmp_path)) / "trainer_state.pt")["value"] == 3
+    assert resolve_checkpoint(str(tmp_path / "latest")).name == "step_00000003"  # the pointer file itself
 
 
 def test_interrupted_save_leaves_latest_checkpoint_intact(tmp_path: Path):
