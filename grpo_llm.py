@@ -27,25 +27,29 @@ import torch
 import torch.distributed as dist
 import tyro
 
-from common.determinism import effective_determinism_env, parameter_hash, restore_rng_states, seed_everything, seed_rngs
+from common.determinism import parameter_hash, seed_everything
 from common.distributed import fail, init_distributed, reduce_stats
 from common.llm import (
     check_llm_args,
     completion_values,
     evaluate,
     load_model,
-    load_training_checkpoint,
     make_batch,
+    make_optimizer,
     mismatch_stats,
+    optimizer_step,
     prepare_run,
+    resume_training,
     save_training_checkpoint,
     score,
     sequence_logprobs,
+    start_engine,
+    start_tracking,
     step_prompts,
     stream_weights,
 )
-from common.rollout import make_engine, sample_seed
-from common.tracking import RunTracker, get_logger
+from common.rollout import sample_seed
+from common.tracking import get_logger
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-adder")
 
@@ -230,18 +234,6 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, rollout_logpro
     return loss, {"loss": loss.detach(), **stats}
 
 
-def learning_rate_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
-    """Linear warm-up to 1, then constant, linear or cosine decay to 0 at `total_steps`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    if schedule == "linear":
-        return max(0.0, 1 - progress)
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return 1.0
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
@@ -256,32 +248,10 @@ if __name__ == "__main__":
     # the frozen reference is the starting model of the whole run, also after a resume
     reference = load_model(args.model_name_or_path, args.dtype, device, world_size, trainable=False,
                            reshard_after_forward=args.reshard_after_forward) if args.beta > 0 else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  foreach=True)  # one op per step for all shards, not one per tensor
-    total_updates = args.total_steps * args.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: learning_rate_factor(
-        update, args.warmup_steps, total_updates, args.lr_schedule))
-    max_model_len = max(map(len, setup.prompts.train_ids + setup.prompts.test_ids)) + args.max_completion_length
-    engine = make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
-                         device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization)
-    seed_rngs(args.seed)  # starting vLLM reseeded python/numpy/torch with the engine's seed
-    start_step = 0
-    if setup.trainer_state:
-        load_training_checkpoint(setup.resume_dir, {"policy": (policy, optimizer)})
-        start_step = setup.trainer_state["step"]
-        for _ in range(start_step * args.num_iterations):  # the schedule is a pure function of the update count
-            scheduler.step()
-        restore_rng_states(setup.trainer_state["rng"][rank])
-    runner = getattr(engine, "model_runner", None)
-    tracker = RunTracker(args, args.exp_name, rank, world_size,
-                         {**determinism, **effective_determinism_env(), "vllm_model_runner": runner},
-                         args.track, args.wandb_project_name, args.run_root, setup.resume_dir, start_step)
-    if runner == "v1" and device.type == "cuda":
-        log.warning("vLLM runs its V1 model runner, which samples seeded requests one by one in Python; "
-                    "unset VLLM_USE_V2_MODEL_RUNNER=0 or use a model the V2 runner supports")
-    log.info(f"world size {world_size}, {type(engine).__name__} (model runner {runner}), "
-             f"{len(setup.prompts.train_ids)} train / {len(setup.prompts.test_ids)} test prompts, "
-             f"starting after step {start_step}")
+    optimizer, scheduler = make_optimizer(policy, args, args.learning_rate, args.total_steps * args.num_iterations)
+    engine = start_engine(args, setup, device)
+    start_step = resume_training(setup, {"policy": (policy, optimizer)}, [scheduler], args.num_iterations, rank)
+    tracker = start_tracking(args, engine, setup, determinism, start_step, rank, world_size, device)
 
     rollout_dtype = getattr(torch, args.dtype)
     metrics: dict[str, float] = {}
@@ -349,15 +319,7 @@ if __name__ == "__main__":
                         sums[name] = sums.get(name, 0) + value
                     maxima["logprob_abs_diff_max"] = torch.maximum(maxima.get("logprob_abs_diff_max", mismatch_max),
                                                                    mismatch_max)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if not math.isfinite(grad_norm):  # the global norm: every rank sees the same value
-                fail(f"non-finite gradient at step {step} (grad norm {grad_norm}); the last checkpoint is left as "
-                     "it was")
-            learning_rate = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)  # free the gradients before the engine wakes up
+            grad_norm, learning_rate = optimizer_step(policy, optimizer, scheduler, args.max_grad_norm, step)
         train_s = time.time() - train_start
         # ============================== END ALGORITHM ==============================
 

@@ -13,6 +13,7 @@ Sizes that decided the design, for Qwen2.5-0.5B (vocabulary V = 151,936) with mi
 """
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -22,9 +23,11 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import check_resume_args, resolve_checkpoint, save_checkpoint_all_ranks
-from common.determinism import rng_states
+from common.determinism import effective_determinism_env, restore_rng_states, rng_states, seed_rngs
 from common.distributed import all_ranks_ok, fail, reduce_stats, save_group
+from common.rollout import make_engine
 from common.tasks import Example, Task, make_task
+from common.tracking import RunTracker, get_logger
 
 CHUNK_ROWS = 256  # rows of the [rows, V] logits turned into float32 at a time
 EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model
@@ -118,8 +121,9 @@ def prepare_run(args: object, world_size: int) -> RunSetup:
             fail(f"{resume_dir} was written with other arguments; resuming would silently change the run:\n  "
                  + "\n  ".join(problems) + f"\n(arguments a resume may change: {', '.join(MAY_CHANGE_ON_RESUME)}; "
                  "--total-steps may grow)")
-        if args.total_steps < trainer_state["step"]:
-            fail(f"--total-steps {args.total_steps} is below the checkpoint's step {trainer_state['step']}")
+        if args.total_steps <= trainer_state["step"]:
+            fail(f"the checkpoint is at step {trainer_state['step']}, --total-steps is {args.total_steps}: nothing "
+                 "left to run (a larger --total-steps extends the run)")
     try:
         AutoConfig.from_pretrained(args.model_name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -143,6 +147,39 @@ def prepare_run(args: object, world_size: int) -> RunSetup:
     eos_ids = eos_token_ids(args.model_name_or_path, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     return RunSetup(task, tokenizer, prompts, eos_ids, pad_id, resume_dir, trainer_state)
+
+
+def check_scalar_head(path: str, flag: str, must_be_classifier: bool) -> None:
+    """A reward model (`must_be_classifier`) must be a one-label AutoModelForSequenceClassification; a value model
+    may also be a plain causal LM (it gets a fresh head). A stored `score` head must be [1, hidden size]. Reads only
+    the config and the head's stored shape, on every rank, before any model is loaded."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from transformers.utils import cached_file
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        fail(f"cannot load {flag} {path!r}: {error}")
+    architectures = config.architectures or []
+    is_classifier = any(name.endswith(("ForSequenceClassification", "ForTokenClassification"))
+                        for name in architectures)
+    if must_be_classifier and not any(name.endswith("ForSequenceClassification") for name in architectures):
+        fail(f"{flag} {path!r} is not a sequence classifier (architectures: {architectures}); a reward model must "
+             "load with AutoModelForSequenceClassification and have one label")
+    if (must_be_classifier or is_classifier) and config.num_labels != 1:
+        fail(f"{flag} {path!r} has {config.num_labels} labels; it must have exactly one (a scalar score)")
+    hidden_size = config.get_text_config().hidden_size
+    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+    weights_file = json.loads(Path(index).read_text())["weight_map"].get("score.weight") if index else \
+        "model.safetensors"
+    weights = cached_file(path, weights_file, _raise_exceptions_for_missing_entries=False) if weights_file else None
+    if weights:
+        with safe_open(weights, "pt") as stored:
+            shape = stored.get_slice("score.weight").get_shape() if "score.weight" in stored.keys() else None
+        if shape is not None and list(shape) != [1, hidden_size]:
+            fail(f"{flag} {path!r}: its score head is {list(shape)}, but its hidden size is {hidden_size} "
+                 f"(expected [1, {hidden_size}])")
 
 
 def step_prompts(step: int, seed: int, num_prompts: int, prompts_per_step: int, rank: int, world_size: int
@@ -180,6 +217,44 @@ def load_model(path: str, dtype: str, device: torch.device, world_size: int, tra
     if not trainable:
         model.eval().requires_grad_(False)
     return model
+
+
+def learning_rate_factor(update: int, warmup_steps: int, total_updates: int, schedule: str) -> float:
+    """Linear warm-up to 1, then constant, linear or cosine decay to 0 at `total_updates`."""
+    if update < warmup_steps:
+        return (update + 1) / warmup_steps
+    progress = (update - warmup_steps) / max(1, total_updates - warmup_steps)
+    if schedule == "linear":
+        return max(0.0, 1 - progress)
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
+
+
+def make_optimizer(model: torch.nn.Module, args: object, learning_rate: float, total_updates: int
+                   ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the model's shards (foreach: one op per step for all of them) and the warm-up + decay schedule."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=args.weight_decay, foreach=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: learning_rate_factor(
+        update, args.warmup_steps, total_updates, args.lr_schedule))
+    return optimizer, scheduler
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LambdaLR, max_grad_norm: float, step: int
+                   ) -> tuple[float, float]:
+    """Clip by the global gradient norm, step, advance the schedule, free the gradients (before the engine wakes).
+    A non-finite norm (every rank sees the same one) stops the run before the weights are touched.
+    Returns the norm and the learning rate used."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not math.isfinite(grad_norm):
+        fail(f"non-finite gradient at step {step} (grad norm {grad_norm}); the last checkpoint is left as it was")
+    learning_rate = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, learning_rate
 
 
 def stream_weights(model: torch.nn.Module, dtype: torch.dtype, tied_aliases: bool = True
@@ -289,14 +364,33 @@ class _ChosenTokenLogprob(torch.autograd.Function):
         return grad.view_as(logits), None, None
 
 
-def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
-    """log pi(completion token | everything before it) under the temperature-scaled distribution: [B, C] float32.
-    Logits are computed only for the C columns that predict completion tokens (`logits_to_keep`)."""
+def completion_columns(batch: TokenBatch) -> torch.Tensor:
+    """The C columns whose outputs predict (or, for a value model, precede) the completion tokens."""
     width = batch.completion_ids.shape[1]
-    keep = torch.arange(batch.prompt_width - 1, batch.prompt_width - 1 + width, device=batch.input_ids.device)
+    return torch.arange(batch.prompt_width - 1, batch.prompt_width - 1 + width, device=batch.input_ids.device)
+
+
+@torch.no_grad()
+def _chunked_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of softmax(logits / T) per row, CHUNK_ROWS rows of float32 at a time (a statistic: no gradient)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, flat.shape[0], CHUNK_ROWS):
+        part = flat[start:start + CHUNK_ROWS].float() / temperature
+        logsumexp = torch.logsumexp(part, dim=-1)
+        out[start:start + CHUNK_ROWS] = logsumexp - (torch.softmax(part, dim=-1) * part).sum(-1)
+    return out.view(logits.shape[:-1])
+
+
+def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log pi(completion token | everything before it) under the temperature-scaled distribution: [B, C] float32
+    (and, `with_entropy`, the entropy of that distribution at each completion position, detached).
+    Logits are computed only for the C columns that predict completion tokens (`logits_to_keep`)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   logits_to_keep=keep).logits
-    return _ChosenTokenLogprob.apply(logits, batch.completion_ids, temperature)
+                   logits_to_keep=completion_columns(batch)).logits
+    logprobs = _ChosenTokenLogprob.apply(logits, batch.completion_ids, temperature)
+    return (logprobs, _chunked_entropy(logits, temperature)) if with_entropy else logprobs
 
 
 def mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -354,9 +448,99 @@ def evaluate(engine: object, setup: RunSetup, num_eval_prompts: int, max_tokens:
     return {f"eval/{name}": value / count for name, value in reduce_stats(sums).items()}
 
 
+class RewardModel:
+    """A one-label AutoModelForSequenceClassification scoring prompt + completion text with its own tokenizer (and its
+    own chat template when it has one), sharded with FSDP2 like the policy. Calling it is a collective: every rank
+    scores as many completions (the scripts give each rank the same number)."""
+
+    def __init__(self, path: str, dtype: str, device: torch.device, world_size: int, micro_batch_size: int) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = load_model(path, dtype, device, world_size, trainable=False,
+                                model_class=AutoModelForSequenceClassification)
+        self.pad_id = next((i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if i is not None), 0)
+        self.model.config.pad_token_id = self.pad_id  # HF pools the last non-pad token: rows are left-padded
+        self.device, self.micro_batch_size = device, micro_batch_size
+
+    def texts(self, examples: list[Example], completions: list[str]) -> list[str]:
+        if getattr(self.tokenizer, "chat_template", None):
+            return [self.tokenizer.apply_chat_template([{"role": "user", "content": example.prompt},
+                                                        {"role": "assistant", "content": completion}], tokenize=False)
+                    for example, completion in zip(examples, completions)]
+        return [example.prompt + completion for example, completion in zip(examples, completions)]
+
+    @torch.no_grad()
+    def __call__(self, examples: list[Example], completions: list[str]) -> torch.Tensor:
+        chat = bool(getattr(self.tokenizer, "chat_template", None))
+        ids = self.tokenizer(self.texts(examples, completions), add_special_tokens=not chat).input_ids
+        scores = []
+        for start in range(0, len(ids), self.micro_batch_size):
+            rows = ids[start:start + self.micro_batch_size]
+            width = max(map(len, rows))
+            mask = _pack([[1] * len(row) for row in rows], width, 0, torch.long, left=True)
+            logits = self.model(input_ids=_pack(rows, width, self.pad_id, torch.long, left=True).to(self.device),
+                                attention_mask=mask.to(self.device),
+                                position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(self.device)).logits
+            scores.append(logits[:, 0].float().cpu())
+        return torch.cat(scores) if scores else torch.zeros(0)
+
+
+def judge(setup: RunSetup, reward_model: RewardModel | None, examples: list[Example], completions: list[list[int]]
+          ) -> torch.Tensor:
+    """One score per completion: the reward model's when there is one, else the task's verifiable reward."""
+    if reward_model is None:
+        return torch.tensor(score(setup.task.reward, setup.tokenizer, examples, completions, setup.eos_ids))
+    return reward_model(examples, [decode_completion(setup.tokenizer, ids, setup.eos_ids) for ids in completions])
+
+
 # ------------------------------------------------------------------------------------------------------------------
-# Checkpoints: sharded training state + a transformers-loadable export of the policy
+# Start, resume, checkpoints: sharded training state + a transformers-loadable export of the policy
 # ------------------------------------------------------------------------------------------------------------------
+def start_engine(args: object, setup: RunSetup, device: torch.device) -> object:
+    """This rank's rollout engine, sized for the longest prompt plus a completion. Starting vLLM reseeds python, numpy
+    and torch with the engine's seed, so the global RNGs are seeded with --seed again right after."""
+    max_model_len = max(map(len, setup.prompts.train_ids + setup.prompts.test_ids)) + args.max_completion_length
+    engine = make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
+                         device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization)
+    seed_rngs(args.seed)
+    return engine
+
+
+def resume_training(setup: RunSetup, trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+                    schedulers: list[torch.optim.lr_scheduler.LambdaLR], updates_per_step: int, rank: int) -> int:
+    """Continue from the checkpoint `prepare_run` checked, if any: shards back into the models and optimizers, the
+    schedules fast-forwarded (a pure function of the update count), this rank's RNG states restored (after the
+    engine started). Returns the last completed step (0 for a fresh run)."""
+    if not setup.trainer_state:
+        return 0
+    load_training_checkpoint(setup.resume_dir, trained)
+    step = setup.trainer_state["step"]
+    for scheduler in schedulers:
+        for _ in range(step * updates_per_step):
+            scheduler.step()
+    restore_rng_states(setup.trainer_state["rng"][rank])
+    return step
+
+
+def start_tracking(args: object, engine: object, setup: RunSetup, determinism: dict[str, object], start_step: int,
+                   rank: int, world_size: int, device: torch.device) -> RunTracker:
+    """The run directory (the checkpoint's, on resume) with the determinism settings in force after the engine
+    started and the vLLM model runner in the manifest; warns when CUDA samples with the legacy V1 runner."""
+    runner = getattr(engine, "model_runner", None)
+    tracker = RunTracker(args, args.exp_name, rank, world_size,
+                         {**determinism, **effective_determinism_env(), "vllm_model_runner": runner},
+                         args.track, args.wandb_project_name, args.run_root, setup.resume_dir, start_step)
+    log = get_logger(rank)
+    if runner == "v1" and device.type == "cuda":
+        log.warning("vLLM runs its V1 model runner, which samples seeded requests one by one in Python; "
+                    "unset VLLM_USE_V2_MODEL_RUNNER=0 or use a model the V2 runner supports")
+    log.info(f"world size {world_size}, {type(engine).__name__} (model runner {runner}), "
+             f"{len(setup.prompts.train_ids)} train / {len(setup.prompts.test_ids)} test prompts, "
+             f"starting after step {start_step}")
+    return tracker
+
+
 def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path) -> None:
     """`save_pretrained`'s layout (config, safetensors shards, index, tokenizer) from a streamed gather: rank 0
     holds at most one shard file's worth of tensors; weights are stored in the config's dtype. Every rank calls it."""
@@ -401,10 +585,11 @@ def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path
 
 def save_training_checkpoint(root: Path, step: int, policy: torch.nn.Module, tokenizer: object,
                              trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]], args: object,
-                             keep_last: int) -> Path:
+                             keep_last: int, extra: dict | None = None) -> Path:
     """Every rank writes its own shard of each trained model and optimizer (`trained`, e.g. {"policy": (model,
     optimizer)}) with torch.distributed.checkpoint; the policy is exported loadable by transformers and vLLM; rank 0
-    adds trainer_state.pt (step, arguments, world size, every rank's RNG states) and publishes the directory
+    adds trainer_state.pt (step, arguments, world size, every rank's RNG states, and `extra`: whatever other state
+    the algorithm carries from step to step, e.g. an adaptive coefficient) and publishes the directory
     atomically. A collective; waits use the long-timeout save group."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -418,8 +603,8 @@ def save_training_checkpoint(root: Path, step: int, policy: torch.nn.Module, tok
         dcp.save(state, checkpoint_id=str(directory / "trainer"), process_group=save_group())
         export_pretrained(policy, tokenizer, directory)
         if dist.get_rank() == 0:
-            torch.save({"step": step, "args": asdict(args), "world_size": dist.get_world_size(), "rng": all_rng},
-                       directory / "trainer_state.pt")
+            torch.save({"step": step, "args": asdict(args), "world_size": dist.get_world_size(), "rng": all_rng,
+                        "extra": extra or {}}, directory / "trainer_state.pt")
 
     return save_checkpoint_all_ranks(root, step, write, keep_last, save_group())
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import SMALL_GRPO, check, only_run_dir, read_metrics, run_script
 
+from common.llm import learning_rate_factor
 from grpo_llm import (
     Args,
     aggregate_loss,
@@ -15,7 +16,6 @@ from grpo_llm import (
     group_advantages,
     grpo_loss,
     k3_kl,
-    learning_rate_factor,
     truncated_is_weight,
 )
 

@@ -174,3 +174,39 @@ def test_check_resume_args_lists_every_difference():
     problems = check_resume_args(saved, {**saved, "seed": 2, "learning_rate": 1e-3, "total_steps": 5}, ["run_root"])
     assert problems == ["--learning-rate: checkpoint 0.0001, now 0.001", "--seed: checkpoint 1, now 2",
                         "--total-steps: checkpoint 10, now 5"]
+
+
+def test_reward_model_scores_left_padded_batches_like_single_sequences(world_of_one, tmp_path: Path):
+    """RewardModel pools the last token of left-padded rows: each score equals the classifier's on that text alone."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(TINY, num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    tokenizer.save_pretrained(tmp_path)
+    judge = llm.RewardModel(str(tmp_path), "float32", torch.device("cpu"), 1, micro_batch_size=2)
+    examples = [Example("12+7=", "19"), Example("305+41=", "346"), Example("1+1=", "2")]
+    completions = ["19", "3461", ""]
+    scores = judge(examples, completions)  # micro-batches of 2 and 1, rows of different lengths
+    plain = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    for example, completion, value in zip(examples, completions, scores):
+        ids = tokenizer(example.prompt + completion, return_tensors="pt").input_ids
+        with torch.no_grad():
+            assert value.item() == pytest.approx(plain(input_ids=ids).logits[0, 0].item(), abs=1e-5)
+    assert len(set(scores.tolist())) == 3
+
+
+def test_check_scalar_head_rejects_a_head_that_does_not_fit(tmp_path: Path, capsys):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(TINY, num_labels=1)).save_pretrained(
+        tmp_path)
+    llm.check_scalar_head(str(tmp_path), "--reward-model", must_be_classifier=True)  # a fitting head passes
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["score.weight"] = torch.zeros(1, 64)  # hidden size is 128
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SystemExit):
+        llm.check_scalar_head(str(tmp_path), "--critic-model", must_be_classifier=False)
+    assert "its score head is [1, 64], but its hidden size is 128" in capsys.readouterr().err
