@@ -121,8 +121,9 @@ class Args:
     """AdamW weight decay"""
     warmup_steps: int = 5
     """linear warm-up, in optimizer steps"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """the schedule after warm-up"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
+    """the schedule after warm-up, to 0 at the last step (linear: a constant rate left the last evaluations of the
+    embedded task swinging by up to 10 points)"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
 
