@@ -1,10 +1,12 @@
-"""Evidence that dqn_atari.py learns: one run's whole-game returns against steps, next to a uniformly random policy
-played through the same wrappers (same preprocessing, life loss, FIRE reset, frame budget).
+"""Evidence that dqn_atari.py learns: whole-game returns against steps for one run per seed, next to a uniformly
+random policy played through the same wrappers (same preprocessing, life loss, FIRE reset, frame budget).
 
-    python benchmarks/dqn_learning.py RUN_DIR --random-games 100 --out benchmarks/dqn_learning
+    python benchmarks/dqn_learning.py RUN_DIR [RUN_DIR ...] --random-games 100 --out benchmarks/dqn_learning
 
-writes `breakout_curve.png` (every game's unclipped score, the mean of the last 100 games along the way, and the
-random policy's mean) and `summary.json`, and prints a markdown table.
+writes `breakout_curve.png` (every game's unclipped score and, per seed, the mean of its last 100 games along the
+way; the random policy's mean) and `summary.json`, and prints a markdown table: per seed the mean +- std of its last
+100 games, then the mean +- std of those per-seed means over the seeds (population std, as benchmarks/dqn_table.py).
+A run without `final.json` is marked incomplete and left out of the mean over seeds.
 """
 
 import argparse
@@ -17,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.atari import make_env  # noqa: E402
+from dqn_atari import MAY_CHANGE_ON_RESUME  # noqa: E402
 
 
 def random_policy_returns(env_id: str, games: int, seed: int, max_episode_frames: int) -> list[float]:
@@ -40,31 +43,49 @@ def trailing_means(values: list[float], window: int) -> list[float]:
     return [float(np.mean(values[max(0, i + 1 - window):i + 1])) for i in range(len(values))]
 
 
+def read_run(run_dir: Path, last: int) -> dict:
+    """One run's games (step, unclipped score) and the mean +- std of its last `last` games."""
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    games = [(r["step"], r["charts/episodic_return"]) for r in records if "charts/episodic_return" in r]
+    scores = [g for _, g in games]
+    return {
+        "run": run_dir.name, "seed": manifest["args"]["seed"], "command": manifest["command"],
+        "git_commit": manifest.get("git_commit"), "complete": (run_dir / "final.json").is_file(),
+        "last_step": max(r["step"] for r in records), "games": len(scores),
+        f"last_{last}_mean": float(np.mean(scores[-last:])), f"last_{last}_std": float(np.std(scores[-last:])),
+        "devices": manifest.get("devices"), "args": manifest["args"], "curve": games,
+    }
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dirs", type=Path, nargs="+", help="one run directory per seed, same settings")
     parser.add_argument("--random-games", type=int, default=100)
     parser.add_argument("--random-seed", type=int, default=12345)
     parser.add_argument("--last", type=int, default=100, help="games in the final score")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/dqn_learning"))
     args = parser.parse_args()
 
-    manifest = json.loads((args.run_dir / "manifest.json").read_text())
-    run_args = manifest["args"]
-    records = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
-    games = [(r["step"], r["charts/episodic_return"]) for r in records if "charts/episodic_return" in r]
-    steps, scores = [s for s, _ in games], [g for _, g in games]
-    last_step = max(r["step"] for r in records)
-    complete = (args.run_dir / "final.json").is_file()
-    random_scores = random_policy_returns(run_args["env_id"], args.random_games, args.random_seed,
-                                          run_args["max_episode_frames"])
+    key = f"last_{args.last}_mean"
+    runs = sorted((read_run(run_dir, args.last) for run_dir in args.run_dirs), key=lambda run: run["seed"])
+    # the seeds must differ in nothing else that changes a run
+    settings = {name: value for name, value in runs[0]["args"].items()
+                if name != "seed" and name not in MAY_CHANGE_ON_RESUME}
+    for run in runs[1:]:
+        differing = sorted(name for name, value in settings.items() if run["args"].get(name) != value)
+        if differing:
+            sys.exit(f"{run['run']} differs from {runs[0]['run']} in more than the seed: {', '.join(differing)}")
+    env_id = settings["env_id"]
+    random_scores = random_policy_returns(env_id, args.random_games, args.random_seed, settings["max_episode_frames"])
+    finished = [run[key] for run in runs if run["complete"]]
     summary = {
-        "run": args.run_dir.name, "command": manifest["command"], "git_commit": manifest.get("git_commit"),
-        "complete": complete, "last_step": last_step, "games": len(scores),
-        f"last_{args.last}_mean": float(np.mean(scores[-args.last:])),
-        f"last_{args.last}_std": float(np.std(scores[-args.last:])),
+        "seeds": [{name: value for name, value in run.items() if name != "args"} for run in runs],
+        "complete_seeds": len(finished),
+        f"{key}_over_seeds": float(np.mean(finished)) if finished else None,
+        f"{key}_std_over_seeds": float(np.std(finished)) if finished else None,
         "random_games": len(random_scores), "random_mean": float(np.mean(random_scores)),
-        "random_std": float(np.std(random_scores)), "devices": manifest.get("devices"),
+        "random_std": float(np.std(random_scores)),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -75,23 +96,30 @@ if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 4.5))
-    axis.scatter(steps, scores, s=4, alpha=0.3, label="one game (unclipped score)")
-    axis.plot(steps, trailing_means(scores, args.last), color="C1", label=f"mean of the last {args.last} games")
-    axis.axhline(summary["random_mean"], color="C3", linestyle="--",
+    for color, run in enumerate(runs):
+        steps, scores = [s for s, _ in run["curve"]], [g for _, g in run["curve"]]
+        axis.scatter(steps, scores, s=3, alpha=0.15, color=f"C{color}")
+        axis.plot(steps, trailing_means(scores, args.last), color=f"C{color}",
+                  label=f"seed {run['seed']}: mean of the last {args.last} games"
+                        + ("" if run["complete"] else " (incomplete run)"))
+    axis.axhline(summary["random_mean"], color="black", linestyle="--",
                  label=f"random policy, {len(random_scores)} games: {summary['random_mean']:.2f}")
     axis.set_xlabel("agent steps")
-    axis.set_ylabel("game score")
-    game = run_args["env_id"].split("/")[-1].split("NoFrameskip")[0]
-    axis.set_title(f"dqn_atari.py, {game}, seed {run_args['seed']}" + ("" if complete else " (incomplete run)"))
+    axis.set_ylabel("game score (dots: single games)")
+    game = env_id.split("/")[-1].split("NoFrameskip")[0]
+    axis.set_title(f"dqn_atari.py, {game}, seeds {', '.join(str(run['seed']) for run in runs)}")
     axis.legend(loc="upper left")
     figure.tight_layout()
     figure.savefig(args.out / f"{game.lower()}_curve.png", dpi=120)
 
-    print("| measure | value |\n|---|---|")
-    print(f"| steps | {last_step:,}{'' if complete else ' (incomplete)'} |")
-    print(f"| games played | {len(scores)} |")
-    print(f"| mean +- std of the last {args.last} games | {summary[f'last_{args.last}_mean']:.2f} +- "
-          f"{summary[f'last_{args.last}_std']:.2f} |")
-    print(f"| uniformly random policy, {len(random_scores)} games | {summary['random_mean']:.2f} +- "
+    print(f"| seed | steps | games | mean +- std of the last {args.last} games |\n|---|---|---|---|")
+    for run in runs:
+        print(f"| {run['seed']} | {run['last_step']:,}{'' if run['complete'] else ' (incomplete)'} | {run['games']} | "
+              f"{run[key]:.2f} +- {run[f'last_{args.last}_std']:.2f} |")
+    if finished:
+        print(f"| mean +- std over {len(finished)} complete seeds | | | {summary[f'{key}_over_seeds']:.2f} +- "
+              f"{summary[f'{key}_std_over_seeds']:.2f} |")
+    print(f"| uniformly random policy | | {len(random_scores)} | {summary['random_mean']:.2f} +- "
           f"{summary['random_std']:.2f} |")
-    print(f"\ncommand: {manifest['command']}")
+    for run in runs:
+        print(f"\nseed {run['seed']}: {run['command']}")
