@@ -82,8 +82,8 @@ if __name__ == "__main__":
     summary = {
         "seeds": [{name: value for name, value in run.items() if name != "args"} for run in runs],
         "complete_seeds": len(finished),
-        f"{key}_over_seeds": float(np.mean(finished)) if finished else None,
-        f"{key}_std_over_seeds": float(np.std(finished)) if finished else None,
+        # the per-seed means of the last games, averaged over the complete seeds (std: their spread)
+        "over_seeds": {"mean": float(np.mean(finished)), "std": float(np.std(finished))} if finished else None,
         "random_games": len(random_scores), "random_mean": float(np.mean(random_scores)),
         "random_std": float(np.std(random_scores)),
     }
@@ -117,8 +117,8 @@ if __name__ == "__main__":
         print(f"| {run['seed']} | {run['last_step']:,}{'' if run['complete'] else ' (incomplete)'} | {run['games']} | "
               f"{run[key]:.2f} +- {run[f'last_{args.last}_std']:.2f} |")
     if finished:
-        print(f"| mean +- std over {len(finished)} complete seeds | | | {summary[f'{key}_over_seeds']:.2f} +- "
-              f"{summary[f'{key}_std_over_seeds']:.2f} |")
+        print(f"| mean +- std over {len(finished)} complete seeds | | | {summary['over_seeds']['mean']:.2f} +- "
+              f"{summary['over_seeds']['std']:.2f} |")
     print(f"| uniformly random policy | | {len(random_scores)} | {summary['random_mean']:.2f} +- "
           f"{summary['random_std']:.2f} |")
     for run in runs:

@@ -581,3 +581,34 @@ def test_benchmark_table_reads_runs_and_draws_curves(python_run: Path, tmp_path:
     assert "| Breakout | 1 | 1200 |" in result.stdout and "not yet run by us" in result.stdout  # Pong, BeamRider
     assert "died: incomplete (reached step 600 of 1200)" in result.stdout
     assert (tmp_path / "dqn_Breakout.png").stat().st_size > 0 and (tmp_path / "table.md").is_file()
+
+
+def test_learning_summary_is_over_seeds_and_refuses_runs_that_differ_in_more(python_run: Path, tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    seeds = []
+    for seed in (1, 2, 3):  # copies of one run, labelled as seeds 1-3; seed 3 died before its end
+        run = tmp_path / f"seed_{seed}"
+        shutil.copytree(python_run, run)
+        manifest = json.loads((run / "manifest.json").read_text())
+        manifest["args"]["seed"] = seed
+        (run / "manifest.json").write_text(json.dumps(manifest))
+        seeds.append(run)
+    (seeds[2] / "final.json").unlink()
+    command = [sys.executable, "benchmarks/dqn_learning.py", "--random-games", "2", "--last", "3", "--out",
+               str(tmp_path / "out")]
+    result = subprocess.run([*command, *map(str, seeds)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    games = [json.loads(line)["charts/episodic_return"] for line in (python_run / "metrics.jsonl").read_text()
+             .splitlines() if "charts/episodic_return" in line]
+    assert [s["seed"] for s in summary["seeds"]] == [1, 2, 3] and summary["complete_seeds"] == 2
+    assert summary["over_seeds"] == {"mean": pytest.approx(np.mean(games[-3:])), "std": 0.0}
+    assert summary["random_games"] == 2
+    assert "| 3 | 1,200 (incomplete) |" in result.stdout and "over 2 complete seeds" in result.stdout
+    assert (tmp_path / "out" / "breakout_curve.png").stat().st_size > 0
+
+    manifest = json.loads((seeds[1] / "manifest.json").read_text())
+    manifest["args"]["learning_rate"] *= 2
+    (seeds[1] / "manifest.json").write_text(json.dumps(manifest))
+    result = subprocess.run([*command, *map(str, seeds)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "differs from" in result.stderr and "learning_rate" in result.stderr
