@@ -121,7 +121,8 @@ class Args:
     num_minibatches: int = 2
     """minibatches per pass, one optimizer step each (this rank's completions must divide evenly)"""
     micro_batch_size: int = 256
-    """completions per forward/backward on each rank (gradient accumulation within a minibatch)"""
+    """completions per forward/backward on each rank (gradient accumulation within a minibatch); sized for the
+    embedded model: about 8 for Qwen2.5-0.5B at 1k completion tokens (benchmarks/README.md)"""
     reshard_after_forward: bool = False
     """FSDP2: free each block's gathered weights after forward and gather them again for backward (least memory: use
     `--reshard-after-forward` for billion-parameter models); off, one all-gather per block instead of two"""
@@ -144,9 +145,11 @@ class Args:
     vf_coef: float = 0.1
     """weight of the value loss"""
     learning_rate: float = 3e-4
-    """AdamW peak learning rate of the policy"""
+    """AdamW peak learning rate of the policy (the embedded model's; 1e-6 for Qwen2.5-0.5B-Instruct, see
+    benchmarks/README.md)"""
     critic_learning_rate: float = 1e-3
-    """AdamW peak learning rate of the value model (its scalar head starts from scratch)"""
+    """AdamW peak learning rate of the value model (its scalar head starts from scratch; 1e-5 for
+    Qwen2.5-0.5B-Instruct)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     warmup_steps: int = 5
@@ -387,8 +390,8 @@ if __name__ == "__main__":
         # ================================ ALGORITHM ================================
         # --- one pass without gradients, in order: pi_old and its entropy, pi_ref, V_old ---
         train_start = time.time()
-        policy.train()
-        critic.train()
+        policy.eval()  # dropout off (N+ details): pi_old, V_old and every update see the same deterministic network
+        critic.eval()
         num_samples, chunk = len(samples), args.micro_batch_size
         like = torch.zeros(num_samples, max(1, max(map(len, completions))), device=device)
         mask = completion_values([[1.0] * len(c) for c in completions], like)
@@ -435,11 +438,11 @@ if __name__ == "__main__":
         for update, rows in enumerate(minibatches):
             minibatch_tokens = totals[f"minibatch_tokens/{update}"]
             for micro in rows.split(args.micro_batch_size):
-                ids = micro.tolist()
+                ids, index = micro.tolist(), micro.to(device)  # one host-to-device copy per micro-batch
                 batch = make_batch([prompts[i] for i in ids], [completions[i] for i in ids], setup.pad_id, device)
                 width = batch.completion_ids.shape[1]
                 old, rollout, advantage, old_value, target = (
-                    t[micro.to(device), :width] for t in (old_logprobs, rollout_logprobs, advantages, old_values,
+                    t[index, :width] for t in (old_logprobs, rollout_logprobs, advantages, old_values,
                                                           returns))
                 pg_loss, pg_stats = policy_loss(sequence_logprobs(policy, batch, args.temperature), old, rollout,
                                                 advantage, batch.completion_mask, args.cliprange, args.tis_cap,

@@ -211,6 +211,8 @@ def load_model(path: str, dtype: str, device: torch.device, world_size: int, tra
     mesh = init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    # a frozen model never runs the backward that would reshard it: kept gathered, it would hold a full copy all run
+    reshard_after_forward = reshard_after_forward or not trainable
     for block in [m for m in model.modules() if type(m).__name__ in block_classes]:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -501,6 +503,8 @@ def start_engine(args: object, setup: RunSetup, device: torch.device) -> object:
     """This rank's rollout engine, sized for the longest prompt plus a completion. Starting vLLM reseeds python, numpy
     and torch with the engine's seed, so the global RNGs are seeded with --seed again right after."""
     max_model_len = max(map(len, setup.prompts.train_ids + setup.prompts.test_ids)) + args.max_completion_length
+    if device.type == "cuda":  # each model went to the GPU whole before sharding; vLLM sizes itself from free memory
+        torch.cuda.empty_cache()
     engine = make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
                          device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization)
     seed_rngs(args.seed)

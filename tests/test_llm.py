@@ -210,3 +210,19 @@ def test_check_scalar_head_rejects_a_head_that_does_not_fit(tmp_path: Path, caps
     with pytest.raises(SystemExit):
         llm.check_scalar_head(str(tmp_path), "--critic-model", must_be_classifier=False)
     assert "its score head is [1, 64], but its hidden size is 128" in capsys.readouterr().err
+
+
+def test_a_frozen_model_is_resharded_after_its_forward(world_of_one):
+    """A frozen reference never runs the backward that reshards FSDP2 blocks: with the trainer's
+    --no-reshard-after-forward it would keep a full copy gathered all run. load_model reshards it after every forward;
+    a trainable model keeps its blocks gathered until its backward."""
+    from torch.distributed.tensor import DTensor
+
+    ids = torch.tensor([PROMPTS[1]])
+    for trainable, sharded_after_forward in ((False, True), (True, False)):
+        model = llm.load_model(str(TINY), "float32", torch.device("cpu"), 1, trainable=trainable,
+                               reshard_after_forward=False)
+        with torch.no_grad():
+            model(input_ids=ids)
+        block_params = list(model.model.layers[0].parameters())
+        assert all(isinstance(p, DTensor) for p in block_params) == sharded_after_forward
