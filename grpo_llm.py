@@ -229,7 +229,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, rollout_logpro
     if ref_logprobs is not None:
         kl = k3_kl(logprobs, ref_logprobs)
         per_token = per_token + args.beta * kl
-        stats["kl"] = (kl.detach() * mask).sum() / num_tokens
+        stats["ref_kl"] = (kl.detach() * mask).sum() / num_tokens  # not "kl": mismatch_stats has that name
     loss = aggregate_loss(per_token, mask, args.loss_type, num_sequences, num_tokens, args.max_completion_length)
     return loss, {"loss": loss.detach(), **stats}
 
@@ -351,7 +351,7 @@ if __name__ == "__main__":
         if not math.isfinite(metrics["train/loss"]):
             fail(f"non-finite loss at step {step}; the last checkpoint is left as it was")
         if reference is not None:
-            metrics["train/kl"] = totals["kl"]
+            metrics["train/kl"] = totals["ref_kl"]
         if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
             metrics.update(evaluate(engine, setup, args.num_eval_prompts, args.max_completion_length, rank,
                                     world_size))

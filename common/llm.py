@@ -462,7 +462,9 @@ class RewardModel:
         self.model = load_model(path, dtype, device, world_size, trainable=False,
                                 model_class=AutoModelForSequenceClassification)
         self.pad_id = next((i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if i is not None), 0)
-        self.model.config.pad_token_id = self.pad_id  # HF pools the last non-pad token: rows are left-padded
+        # HF pools the last token that is not config.pad_token_id. Rows are left-padded, so the last column is always
+        # the text's last token; -1 matches no token, so a text ending in the pad id (often EOS) is read there too.
+        self.model.config.pad_token_id = -1
         self.device, self.micro_batch_size = device, micro_batch_size
 
     def texts(self, examples: list[Example], completions: list[str]) -> list[str]:

@@ -53,7 +53,8 @@ class VLLMEngine:
         self.tp = tp
         self.tp_group = None
         for start in range(0, world, tp):  # every rank must create every group, in the same order
-            group = dist.new_group(list(range(start, start + tp))) if tp > 1 else None
+            # it only carries object gathers: gloo, so no NCCL communicator is made for it
+            group = dist.new_group(list(range(start, start + tp)), backend="gloo") if tp > 1 else None
             if start <= rank < start + tp:
                 self.tp_group = group
         memory = ({"kv_cache_memory_bytes": kv_cache_memory_bytes} if device.type == "cpu"
@@ -100,6 +101,7 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         if self.sleeps:
+            torch.cuda.empty_cache()  # the reload's temporaries, before the KV cache is mapped again
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
 
@@ -157,7 +159,7 @@ class HFEngine:
         for _ in range(max_tokens):
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1]:]
             logits = self.model(input_ids=step_input, attention_mask=attention_mask, position_ids=position_ids,
-                                past_key_values=cache, use_cache=True).logits[:, -1].float()
+                                past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
             if temperature > 0:
                 log_probs = torch.log_softmax(logits / temperature, dim=-1)
                 chosen = torch.stack([torch.multinomial(log_probs[row].exp(), 1, generator=generators[row])[0]
@@ -165,12 +167,12 @@ class HFEngine:
             else:
                 log_probs = torch.log_softmax(logits, dim=-1)
                 chosen = logits.argmax(-1)
-            chosen_logprobs = log_probs.gather(-1, chosen[:, None])[:, 0]
-            for row in range(batch):
+            chosen_logprobs = log_probs.gather(-1, chosen[:, None])[:, 0].tolist()  # one device-to-host copy
+            for row, token in enumerate(chosen.tolist()):
                 if not done[row]:
-                    tokens[row].append(int(chosen[row]))
-                    logprobs[row].append(float(chosen_logprobs[row]))
-                    done[row] = int(chosen[row]) in eos_ids
+                    tokens[row].append(token)
+                    logprobs[row].append(chosen_logprobs[row])
+                    done[row] = token in eos_ids
             if all(done):
                 break
             step_input = chosen[:, None]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import SMALL_GRPO, check, only_run_dir, read_metrics, run_script
 
-from common.llm import learning_rate_factor
+from common.llm import learning_rate_factor, mismatch_stats
 from grpo_llm import (
     Args,
     aggregate_loss,
@@ -114,7 +114,9 @@ def test_grpo_loss_combines_surrogate_tis_and_kl_by_hand():
                             num_sequences=1, num_tokens=2)
     k3 = 0.5 - math.log(0.5) - 1
     assert loss.item() == pytest.approx((-2 * 1.5 - 2 * 1.0 + 0.1 * k3) / 2)
-    assert stats["tis_weight"].item() == pytest.approx(1.25) and stats["kl"].item() == pytest.approx(k3 / 2)
+    assert stats["tis_weight"].item() == pytest.approx(1.25) and stats["ref_kl"].item() == pytest.approx(k3 / 2)
+    # both are summed into one dict per step: a shared name would add the mismatch KL into train/kl
+    assert not set(stats) & set(mismatch_stats(logprobs.detach(), rollout, mask, 2)[0])
     assert stats["clip_fraction"].item() == 0.0
     loss.backward()  # d/dlogp of -ratio*A*w at ratio 1 is -A*w; of beta*k3 is beta*(1 - pi_ref/pi)
     torch.testing.assert_close(logprobs.grad, torch.tensor([[(-2 * 1.5 + 0.1 * (1 - 0.5)) / 2, -2 / 2]]))

@@ -226,3 +226,27 @@ def test_a_frozen_model_is_resharded_after_its_forward(world_of_one):
             model(input_ids=ids)
         block_params = list(model.model.layers[0].parameters())
         assert all(isinstance(p, DTensor) for p in block_params) == sharded_after_forward
+
+
+def test_reward_model_reads_a_text_that_ends_in_its_pad_token(world_of_one, tmp_path: Path):
+    """A judge without a pad token pads with EOS; when its chat template ends every text with EOS, HF's pooling of
+    the last non-pad token would read the score before it. The judge's score is the classifier's at the last token."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(TINY, num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}"
+    tokenizer.save_pretrained(tmp_path)
+    judge = llm.RewardModel(str(tmp_path), "float32", torch.device("cpu"), 1, micro_batch_size=2)
+    examples, completions = [Example("12+7=", "19"), Example("305+41=", "346")], ["19", "3"]
+    scores = judge(examples, completions)
+    plain = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    for text, value in zip(judge.texts(examples, completions), scores):
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        assert ids[0, -1] == tokenizer.eos_token_id
+        with torch.no_grad():
+            hidden = plain.model(input_ids=ids).last_hidden_state
+            assert value.item() == pytest.approx(plain.score(hidden)[0, -1, 0].item(), abs=1e-5)
