@@ -255,18 +255,21 @@ if __name__ == "__main__":
         policy.train()
         sums: dict[str, torch.Tensor] = {}
         maxima: dict[str, torch.Tensor] = {}
-        # every rank runs as many forwards (FSDP collectives): tied pairs go through too, with weight 0
+        # every rank runs as many forwards (FSDP collectives): tied pairs go through too, with weight 0. All
+        # micro-batches go to the device first, so no host-to-device copy waits on a backward in the loop below.
+        micro_batches = []
         for start in range(0, len(my_prompts), pairs_per_micro_batch) if num_preferred else []:
             pairs = range(start, min(start + pairs_per_micro_batch, len(my_prompts)))
             rows = [chosen_rows[p] for p in pairs] + [rejected_rows[p] for p in pairs]
             batch = make_batch([prompts[r] for r in rows], [completions[r] for r in rows], setup.pad_id, device)
-            rollout_logprobs = completion_values([samples[r].logprobs for r in rows], batch.completion_mask)
+            micro_batches.append((batch, completion_values([samples[r].logprobs for r in rows], batch.completion_mask),
+                                  preferred[pairs.start:pairs.stop].to(device)))
+        for batch, rollout_logprobs, micro_preferred in micro_batches:
             with torch.no_grad():  # the reference once per batch, no graph
                 ref_sums = (sequence_logprobs(reference, batch, args.temperature) * batch.completion_mask).sum(-1)
             logprobs = sequence_logprobs(policy, batch, args.temperature)
-            loss, stats = dpo_loss((logprobs * batch.completion_mask).sum(-1), ref_sums,
-                                   preferred[pairs.start:pairs.stop].to(device), args.beta, args.loss_type,
-                                   num_preferred)
+            loss, stats = dpo_loss((logprobs * batch.completion_mask).sum(-1), ref_sums, micro_preferred, args.beta,
+                                   args.loss_type, num_preferred)
             (loss * world_size).backward()  # FSDP averages gradients over ranks; the loss is already a global sum
             for name, value in stats.items():
                 sums[name] = sums.get(name, 0) + value
