@@ -116,6 +116,10 @@ class Args:
     """mu: optimizer steps on each batch of rollouts (old logprobs come from the trainer before the first)"""
     micro_batch_size: int = 256
     """completions per forward/backward on each rank (gradient accumulation over the rest; the last may be smaller)"""
+    share_prompts: bool = True
+    """the G completions of a prompt share one forward of the prompt (one packed row, block attention mask): same
+    values, fewer tokens. Attention then spans the whole packed row and cannot use FlashAttention, so turn it off
+    (`--no-share-prompts`) for long completions on GPUs"""
     reshard_after_forward: bool = False
     """FSDP2: free each block's gathered weights after forward and gather them again for backward (least memory: use
     `--reshard-after-forward` for billion-parameter models); off, one all-gather per block instead of two"""
@@ -293,8 +297,8 @@ if __name__ == "__main__":
         policy.train()
         micro_batches = [range(s, min(s + args.micro_batch_size, len(samples)))
                          for s in range(0, len(samples), args.micro_batch_size)]
-        batches = [make_batch([prompts[r] for r in rows], [completions[r] for r in rows], setup.pad_id, device)
-                   for rows in micro_batches]
+        batches = [make_batch([prompts[r] for r in rows], [completions[r] for r in rows], setup.pad_id, device,
+                              args.share_prompts) for rows in micro_batches]
         rollout_logprobs = [completion_values([samples[r].logprobs for r in rows], b.completion_mask)
                             for rows, b in zip(micro_batches, batches)]
         with torch.no_grad():  # pi_old (trainer's, before the first of mu updates) and pi_ref, once per batch

@@ -8,6 +8,10 @@ Sizes that decided the design, for Qwen2.5-0.5B (vocabulary V = 151,936) with mi
   4 x 8 x 1,536 x V x 4 B = 30 GB; `sequence_logprobs` keeps logits only for completion positions, in the compute
   dtype (8 x 1,024 x V x 2 B = 2.5 GB in bfloat16, and as much again for their gradient), and works through them
   in chunks of CHUNK_ROWS rows (256 x V x 4 B = 156 MB per float32 temporary).
+- shared prompts (GRPO's G samples of a prompt in one packed row) save the prompt's G - 1 repeats, but attention
+  then spans the packed row: at 512 + 8 x 1,025 tokens that is 8,712^2 = 76M query-key pairs per row (a 76 MB
+  boolean mask, and no FlashAttention) against 8 x 1,536^2 / 2 = 9.4M causal pairs for 8 separate rows. It pays
+  for short completions (the embedded task: 2.2x fewer tokens), not for long ones.
 - a 7B policy is 28 GB in float32 and its Adam state 56 GB more: checkpoints are written by every rank for its own
   shard (torch.distributed.checkpoint), and the exported model is gathered one tensor at a time.
 """
@@ -291,13 +295,22 @@ def stream_weights(model: torch.nn.Module, dtype: torch.dtype, tied_aliases: boo
 @dataclass
 class TokenBatch:
     """Prompts left-padded to a common width P, completions right-padded to width C after them, so that completion
-    token j of every row sits in column P + j and is predicted by the logits of column P + j - 1."""
-    input_ids: torch.Tensor  # [B, P + C]
-    attention_mask: torch.Tensor  # [B, P + C]
-    position_ids: torch.Tensor  # [B, P + C], counting from each row's first real token
+    token j of every row sits in column P + j and is predicted by the logits of column P + j - 1.
+
+    With shared prompts (`make_batch(..., share_prompts=True)`) the model instead sees one packed row per run of rows
+    with the same prompt: the prompt's first p - 1 tokens once, then for each completion its own copy of the prompt's
+    last token followed by the completion, every segment at positions p - 1, p, ... and attending (block mask) to the
+    prompt and to itself only. Each packed column then predicts exactly one token, the next one of its segment, and
+    `gather_index` reads those back into the [B, C] layout above. Same values as the padded rows, fewer tokens."""
+    input_ids: torch.Tensor  # [B, P + C], or [U, L] packed
+    attention_mask: torch.Tensor  # [B, P + C], or [U, 1, L, L] bool (True: may attend) packed
+    position_ids: torch.Tensor  # [B, P + C], counting from each row's first real token (packed: [U, L])
     completion_ids: torch.Tensor  # [B, C]
     completion_mask: torch.Tensor  # [B, C] float, 1 on real completion tokens
     prompt_width: int
+    packed_targets: torch.Tensor | None = None  # [U, L]: the token each packed column predicts (pad_id where none)
+    gather_index: torch.Tensor | None = None  # [B, C]: flat index into the packed [U, L - first_predictor] columns
+    first_predictor: int = 0  # the first packed column whose logits are needed (the shortest prompt's last token)
 
 
 def _pack(rows: list[list[int]], width: int, fill: float, dtype: torch.dtype, left: bool) -> torch.Tensor:
@@ -315,17 +328,64 @@ def _pack(rows: list[list[int]], width: int, fill: float, dtype: torch.dtype, le
     return out
 
 
-def make_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device
-               ) -> TokenBatch:
+def make_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device,
+               share_prompts: bool = False) -> TokenBatch:
     prompt_width = max(len(p) for p in prompts)
     completion_width = max(1, max(len(c) for c in completions))
-    prompt_ids = _pack(prompts, prompt_width, pad_id, torch.long, left=True)
     completion_ids = _pack(completions, completion_width, pad_id, torch.long, left=False)
+    completion_mask = _pack([[1] * len(c) for c in completions], completion_width, 0, torch.float32, left=False)
+    if share_prompts:
+        return _packed_batch(prompts, completions, pad_id, completion_ids, completion_mask, prompt_width, device)
+    prompt_ids = _pack(prompts, prompt_width, pad_id, torch.long, left=True)
     mask = torch.cat([_pack([[1] * len(p) for p in prompts], prompt_width, 0, torch.long, left=True),
-                      _pack([[1] * len(c) for c in completions], completion_width, 0, torch.long, left=False)], 1)
+                      completion_mask.long()], 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return TokenBatch(torch.cat([prompt_ids, completion_ids], 1).to(device), mask.to(device), positions.to(device),
-                      completion_ids.to(device), mask[:, prompt_width:].float().to(device), prompt_width)
+                      completion_ids.to(device), completion_mask.to(device), prompt_width)
+
+
+def _packed_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, completion_ids: torch.Tensor,
+                  completion_mask: torch.Tensor, prompt_width: int, device: torch.device) -> TokenBatch:
+    """The shared-prompt layout of TokenBatch, built on the host: per packed row, a segment id for every column
+    (-1: the prompt's first p - 1 tokens, g >= 0: segment of the row's g-th completion, -2: padding)."""
+    groups: list[list[int]] = []  # runs of consecutive rows with one prompt (GRPO's G samples of a prompt)
+    for row, prompt in enumerate(prompts):
+        if groups and prompts[groups[-1][0]] == prompt:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    tokens, positions, segments, targets, starts = [], [], [], [], {}
+    for members in groups:
+        prompt = prompts[members[0]]
+        row_tokens, row_positions = list(prompt[:-1]), list(range(len(prompt) - 1))
+        row_segments, row_targets = [-1] * len(row_tokens), [pad_id] * len(row_tokens)
+        for g, row in enumerate(members):
+            segment = [prompt[-1], *completions[row]]
+            starts[row] = (len(tokens), len(row_tokens))
+            row_tokens += segment
+            row_positions += range(len(prompt) - 1, len(prompt) - 1 + len(segment))
+            row_segments += [g] * len(segment)
+            row_targets += [*completions[row], pad_id]  # the segment's last column predicts nothing
+        tokens.append(row_tokens)
+        positions.append(row_positions)
+        segments.append(row_segments)
+        targets.append(row_targets)
+    width = max(map(len, tokens))
+    segment_ids = _pack(segments, width, -2, torch.long, left=False)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+    allowed = causal & (same_segment | (segment_ids[:, None, :] == -1))  # padding attends to itself, never read
+    first_predictor = min(len(p) for p in prompts) - 1
+    kept = width - first_predictor
+    gather_index = torch.zeros_like(completion_ids)
+    for row, (packed_row, start) in starts.items():
+        length = len(completions[row])
+        gather_index[row, :length] = packed_row * kept + start - first_predictor + torch.arange(length)
+    return TokenBatch(_pack(tokens, width, pad_id, torch.long, left=False).to(device), allowed[:, None].to(device),
+                      _pack(positions, width, 0, torch.long, left=False).to(device), completion_ids.to(device),
+                      completion_mask.to(device), prompt_width,
+                      _pack(targets, width, pad_id, torch.long, left=False).to(device), gather_index.to(device),
+                      first_predictor)
 
 
 def completion_values(values: list[list[float]], like: torch.Tensor) -> torch.Tensor:
@@ -368,6 +428,7 @@ class _ChosenTokenLogprob(torch.autograd.Function):
 
 def completion_columns(batch: TokenBatch) -> torch.Tensor:
     """The C columns whose outputs predict (or, for a value model, precede) the completion tokens."""
+    assert batch.gather_index is None, "a packed batch has no common completion columns"
     width = batch.completion_ids.shape[1]
     return torch.arange(batch.prompt_width - 1, batch.prompt_width - 1 + width, device=batch.input_ids.device)
 
@@ -388,11 +449,21 @@ def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: fl
                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(completion token | everything before it) under the temperature-scaled distribution: [B, C] float32
     (and, `with_entropy`, the entropy of that distribution at each completion position, detached).
-    Logits are computed only for the C columns that predict completion tokens (`logits_to_keep`)."""
+    Logits are computed only for the columns that predict completion tokens (`logits_to_keep`)."""
+    if batch.gather_index is None:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids, logits_to_keep=completion_columns(batch)).logits
+        logprobs = _ChosenTokenLogprob.apply(logits, batch.completion_ids, temperature)
+        return (logprobs, _chunked_entropy(logits, temperature)) if with_entropy else logprobs
+    # packed: every kept column predicts the next token of its own segment; read them back per completion row
+    kept = torch.arange(batch.first_predictor, batch.input_ids.shape[1], device=batch.input_ids.device)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   logits_to_keep=completion_columns(batch)).logits
-    logprobs = _ChosenTokenLogprob.apply(logits, batch.completion_ids, temperature)
-    return (logprobs, _chunked_entropy(logits, temperature)) if with_entropy else logprobs
+                   logits_to_keep=kept).logits
+    packed = _ChosenTokenLogprob.apply(logits, batch.packed_targets[:, batch.first_predictor:], temperature)
+    logprobs = packed.reshape(-1)[batch.gather_index]
+    if with_entropy:
+        return logprobs, _chunked_entropy(logits, temperature).reshape(-1)[batch.gather_index]
+    return logprobs
 
 
 def mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,

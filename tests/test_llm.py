@@ -83,6 +83,47 @@ def test_sequence_logprobs_equal_the_naive_computation(tiny_model, monkeypatch, 
         torch.testing.assert_close(lean_grad, parameter.grad, atol=1e-5, rtol=1e-4)
 
 
+GROUPED_PROMPTS = [[3, 4, 12]] * 3 + [[5, 12, 6, 7, 13]] * 2 + [[8]] + [[3, 4, 12]]
+GROUPED_COMPLETIONS = [[9, 10, 1], [11], [], [9, 9, 9, 9], [1], [10, 11], [12, 1]]
+
+
+def test_shared_prompt_layout():
+    batch = llm.make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, pad_id=0, device=torch.device("cpu"),
+                           share_prompts=True)
+    # one packed row per run of equal prompts (the last row repeats the first prompt, but not next to it)
+    assert batch.input_ids.shape[0] == 4
+    # prompt [3, 4] once, then per completion a copy of the prompt's last token (12) and the completion
+    assert batch.input_ids[0].tolist()[:10] == [3, 4, 12, 9, 10, 1, 12, 11, 12, 0]
+    assert batch.position_ids[0].tolist()[:9] == [0, 1, 2, 3, 4, 5, 2, 3, 2]
+    allowed = batch.attention_mask[0, 0]
+    assert allowed[7].tolist()[:9] == [True, True, False, False, False, False, True, True, False]  # prompt + own
+    assert allowed[2].tolist()[:9] == [True, True, True] + [False] * 6  # segment 0, first column
+    assert not allowed[:9, 9:].any()  # no real column attends to padding
+    # a one-token prompt has no shared part: its segment attends to itself only
+    assert batch.input_ids[2].tolist()[:3] == [8, 10, 11] and batch.attention_mask[2, 0, 2, :3].all()
+    assert batch.completion_ids.tolist() == llm.make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0,
+                                                           torch.device("cpu")).completion_ids.tolist()
+
+
+def test_shared_prompt_logprobs_and_gradients_equal_padded_rows(tiny_model):
+    tiny_model.eval()
+    padded = llm.make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"))
+    packed = llm.make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"), share_prompts=True)
+    weights = torch.randn(padded.completion_mask.shape, generator=torch.Generator().manual_seed(0))
+    results = []
+    for batch in (padded, packed):
+        tiny_model.zero_grad()
+        logprobs, entropy = llm.sequence_logprobs(tiny_model, batch, temperature=0.7, with_entropy=True)
+        (logprobs * weights * batch.completion_mask).sum().backward()
+        results.append((logprobs, entropy, [p.grad.clone() for p in tiny_model.parameters()]))
+    real = padded.completion_mask.bool()
+    torch.testing.assert_close(results[1][0][real], results[0][0][real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[1][1][real], results[0][1][real], atol=1e-5, rtol=1e-5)
+    for packed_grad, padded_grad in zip(results[1][2], results[0][2]):
+        torch.testing.assert_close(packed_grad, padded_grad, atol=1e-5, rtol=1e-4)
+    assert torch.isfinite(results[1][0]).all()  # padded entries too: a masked NaN would still poison a gradient
+
+
 def test_chosen_token_logprob_forward_and_backward_match_autograd(monkeypatch):
     monkeypatch.setattr(llm, "CHUNK_ROWS", 3)  # 8 rows: chunks of 3, 3 and 2
     logits = torch.randn(2, 4, 11, requires_grad=True)
