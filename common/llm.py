@@ -450,20 +450,18 @@ def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: fl
     """log pi(completion token | everything before it) under the temperature-scaled distribution: [B, C] float32
     (and, `with_entropy`, the entropy of that distribution at each completion position, detached).
     Logits are computed only for the columns that predict completion tokens (`logits_to_keep`)."""
-    if batch.gather_index is None:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       position_ids=batch.position_ids, logits_to_keep=completion_columns(batch)).logits
-        logprobs = _ChosenTokenLogprob.apply(logits, batch.completion_ids, temperature)
-        return (logprobs, _chunked_entropy(logits, temperature)) if with_entropy else logprobs
-    # packed: every kept column predicts the next token of its own segment; read them back per completion row
-    kept = torch.arange(batch.first_predictor, batch.input_ids.shape[1], device=batch.input_ids.device)
+    packed = batch.gather_index is not None  # every kept packed column predicts the next token of its segment
+    columns = (torch.arange(batch.first_predictor, batch.input_ids.shape[1], device=batch.input_ids.device) if packed
+               else completion_columns(batch))
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   logits_to_keep=kept).logits
-    packed = _ChosenTokenLogprob.apply(logits, batch.packed_targets[:, batch.first_predictor:], temperature)
-    logprobs = packed.reshape(-1)[batch.gather_index]
-    if with_entropy:
-        return logprobs, _chunked_entropy(logits, temperature).reshape(-1)[batch.gather_index]
-    return logprobs
+                   logits_to_keep=columns).logits
+    targets = batch.packed_targets[:, batch.first_predictor:] if packed else batch.completion_ids
+    logprobs = _ChosenTokenLogprob.apply(logits, targets, temperature)
+    entropy = _chunked_entropy(logits, temperature) if with_entropy else None
+    if packed:  # back to one row per completion
+        logprobs = logprobs.reshape(-1)[batch.gather_index]
+        entropy = entropy.reshape(-1)[batch.gather_index] if with_entropy else None
+    return (logprobs, entropy) if with_entropy else logprobs
 
 
 def mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
