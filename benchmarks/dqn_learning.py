@@ -18,8 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.atari import make_env  # noqa: E402
-from dqn_atari import MAY_CHANGE_ON_RESUME  # noqa: E402
+from dqn_atari import MAY_CHANGE_ON_RESUME, make_env  # noqa: E402
 
 
 def random_policy_returns(env_id: str, games: int, seed: int, max_episode_frames: int) -> list[float]:

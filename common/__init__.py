@@ -1,2 +1,1 @@
-"""Infrastructure shared by the single-file scripts: determinism, distributed setup, run tracking,
-checkpoints, rollout engines and tasks. The algorithms themselves live in the top-level scripts."""
+"""Infrastructure shared by the single-file scripts; the algorithms live in the scripts (README: reading order)."""

@@ -8,24 +8,15 @@ import numpy as np
 import torch
 
 
-def configure_determinism_env(deterministic: bool) -> dict[str, str]:
-    """Set the environment variables that must exist before CUDA, NCCL or vLLM start.
-
-    Call this at the very top of a script, before any engine is created. Returns what was set, for the manifest.
-    """
-    if not deterministic:
-        return {}
-    wanted = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
-    if torch.cuda.is_available():
+def seed_everything(seed: int, deterministic: bool = True) -> dict[str, object]:
+    """Seed python, numpy and torch; with `deterministic`, force deterministic kernels, turn TF32 off and set the
+    environment variables that must exist before CUDA, NCCL or vLLM start (so call it before any engine). Returns
+    the settings, for the manifest."""
+    wanted = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"} if deterministic else {}
+    if deterministic and torch.cuda.is_available():
         wanted["VLLM_BATCH_INVARIANT"] = "1"  # batch-invariant vLLM kernels; read when vLLM is imported
     for key, value in wanted.items():
         os.environ.setdefault(key, value)
-    return {key: os.environ[key] for key in wanted}
-
-
-def seed_everything(seed: int, deterministic: bool = True) -> dict[str, object]:
-    """Seed python, numpy and torch; with `deterministic`, force deterministic kernels and turn TF32 off."""
-    env = configure_determinism_env(deterministic)
     seed_rngs(seed)
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
@@ -33,7 +24,7 @@ def seed_everything(seed: int, deterministic: bool = True) -> dict[str, object]:
     if deterministic:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    return {"deterministic": deterministic, "seed": seed, **env}
+    return {"deterministic": deterministic, "seed": seed, **{key: os.environ[key] for key in wanted}}
 
 
 # Variables that decide determinism on GPUs; vLLM's batch-invariant mode rewrites several of the NCCL ones.
@@ -59,9 +50,7 @@ def parameter_hash(state: dict[str, torch.Tensor] | torch.nn.Module) -> str:
         state = state.state_dict()
     digest = hashlib.sha256()
     for name in sorted(state):
-        tensor = state[name]
-        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather the shards first
-            tensor = tensor.full_tensor()
+        tensor = state[name].full_tensor() if hasattr(state[name], "full_tensor") else state[name]  # FSDP2: gather
         tensor = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
@@ -70,10 +59,8 @@ def parameter_hash(state: dict[str, torch.Tensor] | torch.nn.Module) -> str:
 
 def rng_states() -> dict[str, object]:
     """Every RNG state this process owns, for checkpoints."""
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
+    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
 
 
 def restore_rng_states(states: dict[str, object]) -> None:

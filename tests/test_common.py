@@ -29,18 +29,18 @@ def test_checkpoint_publish_and_keep_last(tmp_path: Path):
 
 
 def test_interrupted_save_leaves_latest_checkpoint_intact(tmp_path: Path):
-    save_checkpoint(tmp_path, 1, write_state(1))
+    save_checkpoint(tmp_path, 1, write_state(1), keep_last=0)
 
     def crash(path: Path) -> None:
         (path / "trainer_state.pt").write_bytes(b"half a file")
         raise KeyboardInterrupt  # a kill in the middle of writing
 
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(tmp_path, 2, crash)
+        save_checkpoint(tmp_path, 2, crash, keep_last=0)
     assert not (tmp_path / "step_00000002").exists()
     assert resolve_checkpoint(str(tmp_path)).name == "step_00000001"
     assert torch.load(resolve_checkpoint(str(tmp_path)) / "trainer_state.pt")["value"] == 1
-    save_checkpoint(tmp_path, 2, write_state(2))  # the next save cleans the leftover temporary directory
+    save_checkpoint(tmp_path, 2, write_state(2), keep_last=0)  # the next save cleans the leftover temporary directory
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -125,3 +125,4 @@ def test_addition_held_out_excludes_commutative_twins():
     # negative control: the same random stream, filtered by exact prompt only, would have leaked twins
     raw = {example.prompt for example in addition_examples(len(task.train), task.digits, random.Random(1234 + 1))}
     assert len(twins & raw - {example.prompt for example in task.test}) > 10
+

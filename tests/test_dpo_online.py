@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, check, only_run_dir, read_metrics, run_script
 
-from dpo_online import dpo_loss, preference_pairs
+from dpo_online import dpo_loss, implicit_rewards, preference_pairs
 
 # 2 ranks x 8 prompts x 4 samples, pairs in micro-batches of 4 (2 per rank per micro-batch), a checkpoint at step 2
 SMALL_DPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "8", "--num-eval-prompts",
@@ -40,25 +40,26 @@ REFERENCE = torch.tensor([-2.0, -2.0, -2.0, -2.0])
 
 
 def test_sigmoid_loss_by_hand():
-    loss, stats = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.1, loss_type="sigmoid", num_preferred=2)
+    loss = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.1, loss_type="sigmoid", num_preferred=2)
     expected = (math.log(1 + math.exp(-0.2)) + math.log(2)) / 2  # -log sigmoid(x) = log(1 + e^-x)
     assert loss.item() == pytest.approx(expected)
-    assert stats["chosen_reward"].item() == pytest.approx(0.1)  # beta * (-1 + 2) + beta * 0
-    assert stats["rejected_reward"].item() == pytest.approx(-0.1)
-    assert stats["preference_accuracy"].item() == 1.0  # the second pair is level, not ranked right
+    chosen, rejected = implicit_rewards(POLICY, REFERENCE, beta=0.1)
+    assert chosen.sum().item() == pytest.approx(0.1)  # beta * (-1 + 2) + beta * 0
+    assert rejected.sum().item() == pytest.approx(-0.1)
+    assert (chosen > rejected).sum().item() == 1  # the second pair is level, not ranked right
 
 
 def test_ipo_loss_by_hand():
     # beta 0.25: target margin 1 / (2 beta) = 2, met by the first pair; the second is 2 short
-    loss, _ = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.25, loss_type="ipo", num_preferred=2)
+    loss = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.25, loss_type="ipo", num_preferred=2)
     assert loss.item() == pytest.approx((0.0 + 4.0) / 2)
-    loss, _ = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.5, loss_type="ipo", num_preferred=2)
+    loss = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.5, loss_type="ipo", num_preferred=2)
     assert loss.item() == pytest.approx((1.0 + 1.0) / 2)
 
 
 def test_sigmoid_gradient_by_hand():
     policy = POLICY.clone().requires_grad_()
-    loss, _ = dpo_loss(policy, REFERENCE, torch.ones(2), beta=0.1, loss_type="sigmoid", num_preferred=2)
+    loss = dpo_loss(policy, REFERENCE, torch.ones(2), beta=0.1, loss_type="sigmoid", num_preferred=2)
     loss.backward()
     # d/dh -log sigmoid(beta h) = -beta sigmoid(-beta h); h rises with chosen, falls with rejected; mean over 2 pairs
     first, second = -0.1 * torch.sigmoid(torch.tensor(-0.2)).item() / 2, -0.1 * 0.5 / 2
@@ -71,15 +72,19 @@ def test_tied_pairs_contribute_no_gradient(loss_type: str):
     the batch of preferred pairs alone, and the tied pair's own logprobs get exactly zero gradient."""
     policy = torch.tensor([-1.0, -4.0, -2.5, -3.0, -2.0, -1.5], requires_grad=True)  # 3 chosen, then 3 rejected
     reference = torch.tensor([-2.0, -2.0, -2.0, -2.5, -2.5, -2.5])
-    loss, stats = dpo_loss(policy, reference, torch.tensor([1.0, 0.0, 1.0]), 0.2, loss_type, num_preferred=2)
+    preferred = torch.tensor([1.0, 0.0, 1.0])
+    loss = dpo_loss(policy, reference, preferred, 0.2, loss_type, num_preferred=2)
     loss.backward()
     assert policy.grad[1] == 0 and policy.grad[4] == 0  # the tied pair: chosen 1, rejected 4
     kept = policy.detach()[[0, 2, 3, 5]].clone().requires_grad_()
-    alone, alone_stats = dpo_loss(kept, reference[[0, 2, 3, 5]], torch.ones(2), 0.2, loss_type, num_preferred=2)
+    alone = dpo_loss(kept, reference[[0, 2, 3, 5]], torch.ones(2), 0.2, loss_type, num_preferred=2)
     alone.backward()
     assert loss.item() == pytest.approx(alone.item())
     torch.testing.assert_close(policy.grad[[0, 2, 3, 5]], kept.grad)
-    assert stats["chosen_reward"].item() == pytest.approx(alone_stats["chosen_reward"].item())
+    # the logged implicit reward over preferred pairs ignores the tied pair, as the loop sums it
+    chosen, _ = implicit_rewards(policy.detach(), reference, 0.2)
+    alone_chosen, _ = implicit_rewards(kept.detach(), reference[[0, 2, 3, 5]], 0.2)
+    assert (chosen * preferred).sum().item() == pytest.approx(alone_chosen.sum().item())
 
 
 # ---------------------------------------------------------------- end to end
@@ -98,7 +103,7 @@ def test_end_to_end_torchrun_vllm(dpo_reference_run: Path):
     assert manifest["command"].startswith("torchrun --nproc_per_node 2 dpo_online.py")
     metrics = read_metrics(dpo_reference_run)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
-    for key in ("train/score_mean", "train/chosen_score", "train/rejected_score", "train/tied_fraction",
+    for key in ("train/score", "train/chosen_score", "train/rejected_score", "train/tied_fraction",
                 "train/completion_length", "train/chosen_length", "train/rejected_length", "train/grad_norm",
                 "train/loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/preference_accuracy",
                 "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/kl"):

@@ -18,7 +18,6 @@ import torch
 from gymnasium.wrappers import AtariPreprocessing
 
 import dqn_atari as dqn
-from common import atari
 from common.tracking import WALL_CLOCK_PREFIXES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +61,7 @@ def final(run_dir: Path) -> dict:
 # Wrappers on a real game
 # ---------------------------------------------------------------------------------------------------------------------
 def test_observations_are_stacked_84x84_uint8_frames():
-    env = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
+    env = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
     obs, _ = env.reset(seed=0)
     assert obs.shape == (4, 84, 84) and obs.dtype == np.uint8 and env.observation_space.shape == (4, 84, 84)
     assert all(np.array_equal(obs[0], frame) for frame in obs)  # reset pads with copies of the first frame
@@ -78,16 +77,16 @@ def test_observations_are_stacked_84x84_uint8_frames():
 def test_noop_start_varies_the_first_frame_and_fire_starts_the_game():
     frames = []
     for seed in range(8):
-        env = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
+        env = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
         env.reset(seed=seed)
         frames.append(env.unwrapped.ale.getEpisodeFrameNumber())
     # 1..30 no-op frames, then FIRE and one more action (4 frames each) from FireResetEnv
     assert all(1 + 8 <= n <= 30 + 8 for n in frames) and len(set(frames)) > 3
-    assert atari.FireResetEnv in {type(layer) for layer in atari.wrapper_layers(env)}
+    assert dqn.FireResetEnv in {type(layer) for layer in dqn.wrapper_layers(env)}
 
 
 def test_life_loss_ends_the_episode_but_not_the_game():
-    env = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
+    env = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
     env.reset(seed=0)
     ale = env.unwrapped.ale
     terminated = False
@@ -101,9 +100,9 @@ def test_life_loss_ends_the_episode_but_not_the_game():
 
 
 def test_rewards_are_clipped_but_episode_returns_are_not():
-    env = atari.make_env("SpaceInvadersNoFrameskip-v4", 108_000)()
+    env = dqn.make_env("SpaceInvadersNoFrameskip-v4", 108_000)()
     env.reset(seed=0)
-    stats = next(layer for layer in atari.wrapper_layers(env) if isinstance(layer, atari.RecordEpisodeStatistics))
+    stats = next(layer for layer in dqn.wrapper_layers(env) if isinstance(layer, dqn.RecordEpisodeStatistics))
     rng, clipped = np.random.default_rng(0), 0.0
     for _ in range(300):
         _, reward, *_ = env.step(int(rng.integers(6)))
@@ -114,7 +113,7 @@ def test_rewards_are_clipped_but_episode_returns_are_not():
 
 def test_v5_id_runs_the_v4_protocol():
     def rollout(env_id: str) -> list[bytes]:
-        env = atari.make_env(env_id, 108_000)()
+        env = dqn.make_env(env_id, 108_000)()
         obs, _ = env.reset(seed=3)
         out = [obs.tobytes()]
         for action in np.random.default_rng(0).integers(4, size=100):
@@ -126,7 +125,7 @@ def test_v5_id_runs_the_v4_protocol():
 
 
 def test_time_limit_truncates_without_terminating():
-    env = atari.make_env("BreakoutNoFrameskip-v4", 80)()  # 80 emulator frames: truncated before the ball is lost
+    env = dqn.make_env("BreakoutNoFrameskip-v4", 80)()  # 80 emulator frames: truncated before the ball is lost
     env.reset(seed=0)
     for _ in range(30):
         _, _, terminated, truncated, _ = env.step(0)
@@ -146,11 +145,11 @@ def test_game_ending_mid_skip_returns_the_current_frame_not_a_stale_one():
             before = env.unwrapped.ale.getEpisodeFrameNumber()
             obs, _, terminated, truncated, _ = env.step(1 if i % 2 else 2)  # FIRE, RIGHT: ball and paddle move
             if truncated:
-                return obs, atari.screen_84(env), env.unwrapped.ale.getEpisodeFrameNumber() - before
+                return obs, dqn.screen_84(env), env.unwrapped.ale.getEpisodeFrameNumber() - before
         raise AssertionError("no truncation")
 
     for max_frames in (100, 101):  # with seed 0's no-ops, these budgets end a step after 2 and 3 of its 4 frames
-        fresh, screen, frames_in_step = final_frame(atari.FreshFinalFrame, max_frames)
+        fresh, screen, frames_in_step = final_frame(dqn.FreshFinalFrame, max_frames)
         assert frames_in_step < 4
         np.testing.assert_array_equal(fresh, screen)
         stale, screen, _ = final_frame(AtariPreprocessing, max_frames)
@@ -169,14 +168,14 @@ def test_env_state_round_trip_reproduces_the_future():
         return out
 
     actions = np.random.default_rng(1).integers(4, size=400)
-    env = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
+    env = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
     env.reset(seed=5)
     play(env, actions[:50])
-    state = atari.get_env_state(env)
+    state = dqn.get_env_state(env)
     expected = play(env, actions[50:])
-    other = atari.make_env("BreakoutNoFrameskip-v4", 108_000)()
+    other = dqn.make_env("BreakoutNoFrameskip-v4", 108_000)()
     other.reset(seed=99)
-    atari.set_env_state(other, state)
+    dqn.set_env_state(other, state)
     assert play(other, actions[50:]) == expected
 
 
@@ -186,7 +185,7 @@ def test_env_state_round_trip_reproduces_the_future():
 def rollout_into_buffer(capacity: int, steps: int = 300, num_envs: int = 2, max_frames: int = 400):
     """Random play in a SameStep vector env, storing into a ReplayBuffer and recording what the env returned.
     The short time limit makes both terminations (lost lives) and truncations happen."""
-    envs = gym.vector.SyncVectorEnv([atari.make_env("BreakoutNoFrameskip-v4", max_frames)] * num_envs,
+    envs = gym.vector.SyncVectorEnv([dqn.make_env("BreakoutNoFrameskip-v4", max_frames)] * num_envs,
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     buffer = dqn.ReplayBuffer(capacity, num_envs)
     obs, _ = envs.reset(seed=0)
@@ -324,9 +323,9 @@ def test_update_overfits_a_fixed_batch():
     q_network, target_network = dqn.QNetwork(4), dqn.QNetwork(4)
     optimizer = torch.optim.Adam(q_network.parameters(), lr=1e-3, fused=True)
     batch = random_batch(8)
-    first = dqn.update(q_network, target_network, optimizer, batch, 0.99, world_size=1)[0].item()
+    first = dqn.update(q_network, target_network, optimizer, batch, 0.99, world_size=1)["losses/td_loss"].item()
     for _ in range(15):
-        last = dqn.update(q_network, target_network, optimizer, batch, 0.99, world_size=1)[0].item()
+        last = dqn.update(q_network, target_network, optimizer, batch, 0.99, world_size=1)["losses/td_loss"].item()
     assert last < 0.1 * first, (first, last)
 
 
@@ -388,11 +387,11 @@ def test_rank_and_environment_seeds_never_collide():
     seeds = {}
     for seed in (1, 2, 3):
         for rank in (0, 1):
-            rng, env_seeds = atari.rank_streams(seed, rank, 4)
+            rng, env_seeds = dqn.rank_streams(seed, rank, 4)
             seeds[(seed, rank)] = (rng.integers(2**62), *env_seeds)
     values = [v for group in seeds.values() for v in group]
     assert len(set(values)) == len(values)  # seed 1 rank 1 is not seed 2 rank 0; seeds share no env seed
-    assert atari.rank_streams(1, 1, 4)[1] == list(seeds[(1, 1)][1:])  # and they are reproducible
+    assert dqn.rank_streams(1, 1, 4)[1] == list(seeds[(1, 1)][1:])  # and they are reproducible
 
 
 def test_defaults_are_the_nature_cleanrl_table():

@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import SMALL_GRPO, check, only_run_dir, read_metrics, run_script
 
-from common.llm import learning_rate_factor, mismatch_stats
+from common.models import learning_rate_factor
 from grpo_llm import (
-    Args,
     aggregate_loss,
+    clip_active,
     clipped_surrogate,
     group_advantages,
-    grpo_loss,
+    grpo_token_loss,
     k3_kl,
     truncated_is_weight,
 )
@@ -44,7 +44,8 @@ def test_clipped_surrogate_by_hand():
     old = torch.zeros(4)
     logprobs = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5]))  # ratios
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    loss, clipped = clipped_surrogate(logprobs, old, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
+    loss = clipped_surrogate(logprobs, old, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
+    clipped = clip_active(logprobs, old, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
     # ratio 1.5, A=+1: min(1.5, 1.28) -> clipped; A=-1: min(-1.5, -1.28) = -1.5 -> not clipped
     # ratio 0.5, A=+1: min(0.5, 0.8) = 0.5 -> not clipped; A=-1: min(-0.5, -0.8) = -0.8 -> clipped
     torch.testing.assert_close(loss, torch.tensor([-1.28, 1.5, -0.5, 0.8]))
@@ -53,7 +54,7 @@ def test_clipped_surrogate_by_hand():
 
 def test_clipped_surrogate_gradient_is_policy_gradient_at_ratio_one():
     logprobs = torch.tensor([-1.0, -2.0], requires_grad=True)
-    loss, _ = clipped_surrogate(logprobs, logprobs.detach(), torch.tensor([2.0, -3.0]), 0.2, 0.2)
+    loss = clipped_surrogate(logprobs, logprobs.detach(), torch.tensor([2.0, -3.0]), 0.2, 0.2)
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([-2.0, 3.0]))  # d(-ratio*A)/dlogp = -A at ratio 1
 
@@ -109,24 +110,25 @@ def test_grpo_loss_combines_surrogate_tis_and_kl_by_hand():
     rollout = torch.log(torch.tensor([[0.25, 0.25]]))  # tis weight: min(2, cap 1.5) = 1.5, then 1
     ref = torch.log(torch.tensor([[0.25, 0.25]]))  # k3 = 0.5 - log(0.5) - 1, then 0
     mask = torch.ones(1, 2)
-    args = Args(beta=0.1, tis_cap=1.5, loss_type="dapo")
-    loss, stats = grpo_loss(logprobs, logprobs.detach(), rollout, ref, torch.tensor([2.0]), mask, args,
-                            num_sequences=1, num_tokens=2)
+    per_token = grpo_token_loss(logprobs, logprobs.detach(), rollout, ref, torch.tensor([[2.0]]), clip_eps_low=0.2,
+                                clip_eps_high=0.28, tis_cap=1.5, beta=0.1)
+    loss = aggregate_loss(per_token, mask, "dapo", num_sequences=1, num_tokens=2, max_completion_length=8)
     k3 = 0.5 - math.log(0.5) - 1
     assert loss.item() == pytest.approx((-2 * 1.5 - 2 * 1.0 + 0.1 * k3) / 2)
-    assert stats["tis_weight"].item() == pytest.approx(1.25) and stats["ref_kl"].item() == pytest.approx(k3 / 2)
-    # both are summed into one dict per step: a shared name would add the mismatch KL into train/kl
-    assert not set(stats) & set(mismatch_stats(logprobs.detach(), rollout, mask, 2)[0])
-    assert stats["clip_fraction"].item() == 0.0
+    # the statistics the loop logs next to it: the mean TIS weight and k3 KL, no clip at ratio 1
+    assert (truncated_is_weight(logprobs, rollout, 1.5) * mask).sum().item() / 2 == pytest.approx(1.25)
+    assert (k3_kl(logprobs, ref) * mask).sum().item() / 2 == pytest.approx(k3 / 2)
+    assert clip_active(logprobs, logprobs, torch.tensor([[2.0]]), 0.2, 0.28).sum().item() == 0.0
     loss.backward()  # d/dlogp of -ratio*A*w at ratio 1 is -A*w; of beta*k3 is beta*(1 - pi_ref/pi)
     torch.testing.assert_close(logprobs.grad, torch.tensor([[(-2 * 1.5 + 0.1 * (1 - 0.5)) / 2, -2 / 2]]))
 
 
 def test_grpo_loss_masks_padding():
-    args = Args()
     logprobs = torch.zeros(1, 3, requires_grad=True)
-    loss, _ = grpo_loss(logprobs, logprobs.detach(), torch.zeros(1, 3), None, torch.tensor([1.0]),
-                        torch.tensor([[1.0, 0.0, 0.0]]), args, num_sequences=1, num_tokens=1)
+    per_token = grpo_token_loss(logprobs, logprobs.detach(), torch.zeros(1, 3), None, torch.tensor([[1.0]]), 0.2, 0.28,
+                                2.0, 0.0)
+    loss = aggregate_loss(per_token, torch.tensor([[1.0, 0.0, 0.0]]), "dapo", num_sequences=1, num_tokens=1,
+                          max_completion_length=8)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, 0.0, 0.0]]))
 
@@ -144,7 +146,7 @@ def test_end_to_end_torchrun_vllm(grpo_reference_run: Path):
     assert manifest["command"].startswith("torchrun --nproc_per_node 2 grpo_llm.py --prompts-per-step 16")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
-    for key in ("train/reward_mean", "train/reward_std", "train/accuracy", "train/completion_length",
+    for key in ("train/score", "train/score_std", "train/accuracy", "train/completion_length",
                 "train/clip_fraction", "train/grad_norm", "train/learning_rate", "mismatch/logprob_abs_diff_mean",
                 "mismatch/logprob_abs_diff_max", "mismatch/kl", "mismatch/tis_weight_mean"):
         assert all(key in m for m in metrics[1:]), key
@@ -231,7 +233,7 @@ def test_world_size_1_and_2_agree_on_the_same_global_batch(grpo_reference_run: P
                                      "--run-root", str(tmp_path)]))
     one = read_metrics(only_run_dir(tmp_path))[1]
     two = read_metrics(grpo_reference_run)[1]
-    assert one["train/reward_mean"] == two["train/reward_mean"]
+    assert one["train/score"] == two["train/score"]
     assert one["train/completion_length"] == two["train/completion_length"]
     assert one["train/loss"] == pytest.approx(two["train/loss"], abs=1e-6)
     assert one["train/grad_norm"] == pytest.approx(two["train/grad_norm"], rel=1e-4)

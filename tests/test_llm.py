@@ -1,6 +1,14 @@
-"""common/llm.py: the LLM plumbing the three LLM scripts share, checked piece by piece against plain references."""
+"""The LLM layer the three LLM scripts share (common/batching.py, models.py, scoring.py, llm_run.py), checked piece by
+piece against plain references.
+
+Checks that two computations are the same function (lean vs naive logprobs, packed vs padded rows) run in float64,
+RMSNorm included (transformers computes it in float32 whatever the input): there the two differ by rounding alone,
+measured at 1e-14 relative on the gradients, so a tolerance of 1e-10 holds on any CPU, while a real difference moves
+values by far more. In float32 the same comparisons differ by about 1e-7 relative from rounding, and by how much
+depends on the CPU's kernels (on one AMD EPYC machine one weight gradient element of 1,920 was 2.8e-5 off)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -8,10 +16,15 @@ import torch
 import torch.distributed as dist
 from conftest import ROOT
 
-import common.llm as llm
+import common.batching as batching
+import common.models as models
+from common.batching import make_batch, mismatch_stats, pad_completions, token_logprobs
 from common.checkpoint import check_resume_args
 from common.determinism import parameter_hash
-from common.distributed import init_distributed, reduce_stats
+from common.distributed import Totals, init_distributed, reduce_stats
+from common.llm_run import LLMArgs, eos_token_ids, prompts_for_rank
+from common.models import export_pretrained, load_model, stream_weights
+from common.scoring import RewardModel, check_scalar_head, decode_completion, task_scores
 from common.tasks import Example
 
 TINY = ROOT / "assets" / "tiny-adder"
@@ -22,6 +35,22 @@ def tiny_model():
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+
+
+def _rms_norm_64(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen2RMSNorm in the input's dtype (transformers casts to float32 and back)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture
+def tiny_model_64(monkeypatch):
+    """The embedded model computing in float64 throughout, for checks that two computations are the same function."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen2 import modeling_qwen2
+
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_64)
+    return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float64)
 
 
 @pytest.fixture
@@ -40,7 +69,8 @@ COMPLETIONS = [[9, 10, 1], [11], []]
 
 
 def test_make_batch_layout():
-    batch = llm.make_batch(PROMPTS, COMPLETIONS, pad_id=0, device=torch.device("cpu"))
+    batch = make_batch(PROMPTS, COMPLETIONS, pad_id=0, device=torch.device("cpu"),
+                       rollout_logprobs=[[0.5, 0.25, 1.0], [2.0], []])
     assert batch.prompt_width == 5
     assert batch.input_ids.tolist() == [[0, 0, 3, 4, 12, 9, 10, 1], [5, 12, 6, 7, 13, 11, 0, 0],
                                         [0, 0, 0, 8, 13, 0, 0, 0]]
@@ -48,39 +78,41 @@ def test_make_batch_layout():
                                              [0, 0, 0, 1, 1, 0, 0, 0]]
     assert batch.position_ids[0].tolist()[2:] == [0, 1, 2, 3, 4, 5]  # counted from the first real token
     assert batch.completion_ids.tolist() == [[9, 10, 1], [11, 0, 0], [0, 0, 0]]
-    assert batch.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
-    values = llm.completion_values([[0.5, 0.25, 1.0], [2.0], []], batch.completion_mask)
-    assert values.tolist() == [[0.5, 0.25, 1.0], [2.0, 0, 0], [0, 0, 0]]
+    assert batch.mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    assert batch.rollout_logprobs.tolist() == [[0.5, 0.25, 1.0], [2.0, 0, 0], [0, 0, 0]]
+    assert pad_completions([[0.5], []], 2, torch.device("cpu")).tolist() == [[0.5, 0], [0, 0]]
 
 
 def naive_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float
                    ) -> torch.Tensor:
     """The textbook way: one unpadded sequence, full-vocabulary float32 log_softmax at every position."""
     ids = torch.tensor([prompt + completion])
-    logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+    logits = model(input_ids=ids).logits[0, :-1] / temperature
     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
     return logprobs[len(prompt) - 1:]
 
 
 @pytest.mark.parametrize("chunk_rows", [256, 2])  # one chunk, and many chunks that split rows of one sequence
-def test_sequence_logprobs_equal_the_naive_computation(tiny_model, monkeypatch, chunk_rows: int):
-    monkeypatch.setattr(llm, "CHUNK_ROWS", chunk_rows)
-    batch = llm.make_batch(PROMPTS, COMPLETIONS, pad_id=0, device=torch.device("cpu"))
-    lean = llm.sequence_logprobs(tiny_model, batch, temperature=0.7)
+def test_token_logprobs_equal_the_naive_computation(tiny_model_64, monkeypatch, chunk_rows: int):
+    model = tiny_model_64
+    monkeypatch.setattr(batching, "CHUNK_ROWS", chunk_rows)
+    batch = make_batch(PROMPTS, COMPLETIONS, pad_id=0, device=torch.device("cpu"))
+    lean = token_logprobs(model, batch, temperature=0.7)
+    assert lean.dtype == torch.float64 and torch.all(lean[batch.mask == 0] == 0)  # exactly 0.0 on padding
     for row, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS)):
         if completion:
-            expected = naive_logprobs(tiny_model, prompt, completion, 0.7)
-            torch.testing.assert_close(lean[row, :len(completion)], expected, atol=1e-5, rtol=1e-6)
+            expected = naive_logprobs(model, prompt, completion, 0.7)
+            torch.testing.assert_close(lean[row, :len(completion)], expected, atol=1e-10, rtol=1e-10)
     # and the gradient with respect to the weights is the same
-    weights = torch.randn_like(lean) * batch.completion_mask
-    tiny_model.zero_grad()
+    weights = torch.randn(lean.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    model.zero_grad()
     (lean * weights).sum().backward()
-    lean_grads = [p.grad.clone() for p in tiny_model.parameters()]
-    tiny_model.zero_grad()
-    sum((naive_logprobs(tiny_model, p, c, 0.7) * weights[row, :len(c)]).sum()
+    lean_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    sum((naive_logprobs(model, p, c, 0.7) * weights[row, :len(c)]).sum()
         for row, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)) if c).backward()
-    for lean_grad, parameter in zip(lean_grads, tiny_model.parameters()):
-        torch.testing.assert_close(lean_grad, parameter.grad, atol=1e-5, rtol=1e-4)
+    for lean_grad, parameter in zip(lean_grads, model.parameters()):
+        torch.testing.assert_close(lean_grad, parameter.grad, atol=1e-10, rtol=1e-10)
 
 
 GROUPED_PROMPTS = [[3, 4, 12]] * 3 + [[5, 12, 6, 7, 13]] * 2 + [[8]] + [[3, 4, 12]]
@@ -88,8 +120,8 @@ GROUPED_COMPLETIONS = [[9, 10, 1], [11], [], [9, 9, 9, 9], [1], [10, 11], [12, 1
 
 
 def test_shared_prompt_layout():
-    batch = llm.make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, pad_id=0, device=torch.device("cpu"),
-                           share_prompts=True)
+    batch = make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, pad_id=0, device=torch.device("cpu"),
+                       share_prompts=True)
     # one packed row per run of equal prompts (the last row repeats the first prompt, but not next to it)
     assert batch.input_ids.shape[0] == 4
     # prompt [3, 4] once, then per completion a copy of the prompt's last token (12) and the completion
@@ -101,52 +133,52 @@ def test_shared_prompt_layout():
     assert not allowed[:9, 9:].any()  # no real column attends to padding
     # a one-token prompt has no shared part: its segment attends to itself only
     assert batch.input_ids[2].tolist()[:3] == [8, 10, 11] and batch.attention_mask[2, 0, 2, :3].all()
-    assert batch.completion_ids.tolist() == llm.make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0,
-                                                           torch.device("cpu")).completion_ids.tolist()
+    assert batch.completion_ids.tolist() == make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0,
+                                                       torch.device("cpu")).completion_ids.tolist()
 
 
-def test_shared_prompt_logprobs_and_gradients_equal_padded_rows(tiny_model):
-    tiny_model.eval()
-    padded = llm.make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"))
-    packed = llm.make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"), share_prompts=True)
-    weights = torch.randn(padded.completion_mask.shape, generator=torch.Generator().manual_seed(0))
+def test_shared_prompt_logprobs_and_gradients_equal_padded_rows(tiny_model_64):
+    model = tiny_model_64.eval()
+    padded = make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"))
+    packed = make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"), share_prompts=True)
+    weights = torch.randn(padded.mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     results = []
     for batch in (padded, packed):
-        tiny_model.zero_grad()
-        logprobs, entropy = llm.sequence_logprobs(tiny_model, batch, temperature=0.7, with_entropy=True)
-        (logprobs * weights * batch.completion_mask).sum().backward()
-        results.append((logprobs, entropy, [p.grad.clone() for p in tiny_model.parameters()]))
-    real = padded.completion_mask.bool()
-    torch.testing.assert_close(results[1][0][real], results[0][0][real], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(results[1][1][real], results[0][1][real], atol=1e-5, rtol=1e-5)
+        model.zero_grad()
+        logprobs, entropy = token_logprobs(model, batch, temperature=0.7, with_entropy=True)
+        (logprobs * weights).sum().backward()
+        results.append((logprobs, entropy, [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-10, rtol=1e-10)  # padding: 0.0 in both
+    torch.testing.assert_close(results[1][1], results[0][1], atol=1e-10, rtol=1e-10)
     for packed_grad, padded_grad in zip(results[1][2], results[0][2]):
-        torch.testing.assert_close(packed_grad, padded_grad, atol=1e-5, rtol=1e-4)
-    assert torch.isfinite(results[1][0]).all()  # padded entries too: a masked NaN would still poison a gradient
+        torch.testing.assert_close(packed_grad, padded_grad, atol=1e-10, rtol=1e-10)
+    assert torch.all(results[1][0][packed.mask == 0] == 0)  # not another segment's logprob: exp() of it stays 1
 
 
 def test_chosen_token_logprob_forward_and_backward_match_autograd(monkeypatch):
-    monkeypatch.setattr(llm, "CHUNK_ROWS", 3)  # 8 rows: chunks of 3, 3 and 2
-    logits = torch.randn(2, 4, 11, requires_grad=True)
-    tokens = torch.randint(0, 11, (2, 4))
-    upstream = torch.randn(2, 4)
-    lean = llm._ChosenTokenLogprob.apply(logits, tokens, 0.7)
+    monkeypatch.setattr(batching, "CHUNK_ROWS", 3)  # 8 rows: chunks of 3, 3 and 2
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 11, dtype=torch.float64, generator=generator).requires_grad_()
+    tokens = torch.randint(0, 11, (2, 4), generator=generator)
+    upstream = torch.randn(2, 4, dtype=torch.float64, generator=generator)
+    lean = batching._ChosenTokenLogprob.apply(logits, tokens, 0.7)
     (grad_lean,) = torch.autograd.grad((lean * upstream).sum(), logits)
     expected = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
     (grad_expected,) = torch.autograd.grad((expected * upstream).sum(), logits)
-    torch.testing.assert_close(lean, expected)
-    torch.testing.assert_close(grad_lean, grad_expected)
+    torch.testing.assert_close(lean, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(grad_lean, grad_expected, atol=1e-12, rtol=1e-12)
 
 
 def test_stream_weights_gathers_tied_embeddings_once(tiny_model):
     assert tiny_model.config.tie_word_embeddings
-    with_aliases = list(llm.stream_weights(tiny_model, torch.bfloat16))
+    with_aliases = list(stream_weights(tiny_model, torch.bfloat16))
     names = [name for name, _ in with_aliases]
     assert names.index("lm_head.weight") == names.index("model.embed_tokens.weight") + 1  # right after its twin
     tensors = dict(with_aliases)
     assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]  # the same tensor, not a second copy
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert not any("rotary" in name for name in names)  # buffers are left out on purpose
-    once = [name for name, _ in llm.stream_weights(tiny_model, torch.float32, tied_aliases=False)]
+    once = [name for name, _ in stream_weights(tiny_model, torch.float32, tied_aliases=False)]
     assert "lm_head.weight" not in once and len(once) == len(names) - 1
 
 
@@ -154,8 +186,8 @@ def test_export_pretrained_in_several_shards_loads_in_transformers(tiny_model, w
                                                                    tmp_path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    monkeypatch.setattr(llm, "EXPORT_SHARD_BYTES", 200_000)  # the tiny model is 3.4 MB: many files
-    llm.export_pretrained(tiny_model, AutoTokenizer.from_pretrained(TINY), tmp_path)
+    monkeypatch.setattr(models, "EXPORT_SHARD_BYTES", 200_000)  # the tiny model is 3.4 MB: many files
+    export_pretrained(tiny_model, AutoTokenizer.from_pretrained(TINY), tmp_path)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3 and "lm_head.weight" not in index["weight_map"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -166,9 +198,9 @@ def test_eos_token_ids_join_generation_config_and_tokenizer(tmp_path: Path):
     from transformers import AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    assert llm.eos_token_ids(str(TINY), tokenizer) == [1]
+    assert eos_token_ids(str(TINY), tokenizer) == [1]
     GenerationConfig(eos_token_id=[7, 1]).save_pretrained(tmp_path)  # two EOS ids, as Qwen2.5-Instruct lists
-    assert llm.eos_token_ids(str(tmp_path), tokenizer) == [1, 7]
+    assert eos_token_ids(str(tmp_path), tokenizer) == [1, 7]
 
 
 def test_decode_completion_drops_only_a_final_eos():
@@ -176,20 +208,16 @@ def test_decode_completion_drops_only_a_final_eos():
         def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
             return ",".join(map(str, ids))
 
-    assert llm.decode_completion(Decoder(), [5, 7, 9], eos_ids=[7, 9]) == "5,7"
-    assert llm.decode_completion(Decoder(), [5, 6], eos_ids=[7, 9]) == "5,6"
+    assert decode_completion(Decoder(), [5, 7, 9], eos_ids=[7, 9]) == "5,7"
+    assert decode_completion(Decoder(), [5, 6], eos_ids=[7, 9]) == "5,6"
 
 
 def test_reward_failure_names_prompt_and_completion(capsys):
-    class Decoder:
-        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-            return "".join(map(str, ids))
-
     def broken(text: str, example: Example) -> float:
         raise ValueError("boom")
 
     with pytest.raises(SystemExit) as stopped:
-        llm.score(broken, Decoder(), [Example("1+2=", "3")], [[4, 2]], eos_ids=[1])
+        task_scores(broken, [Example("1+2=", "3")], ["42"])
     assert stopped.value.code == 2
     assert "prompt '1+2=' with completion '42'" in capsys.readouterr().err
 
@@ -199,13 +227,33 @@ def test_reduce_stats_by_name(world_of_one):
     assert result == {"a": 1.0, "b": 2.5, "peak": 3.0}
 
 
-def test_step_prompts_partition_each_step_over_ranks():
-    whole, first = llm.step_prompts(3, seed=1, num_prompts=100, prompts_per_step=8, rank=0, world_size=1)
-    parts = [llm.step_prompts(3, 1, 100, 8, rank, 2) for rank in range(2)]
+def test_totals_sum_divide_and_keep_the_max(world_of_one):
+    totals = Totals()
+    for value in (1.0, 2.0, 4.0):  # three micro-batches of two passes (divisor 2)
+        totals.add({"train/loss": torch.tensor(value)}, {"peak": torch.tensor(value)}, divisor=2)
+    totals.add({"count": 3})
+    assert totals.reduce() == {"train/loss": 3.5, "count": 3.0, "peak": 4.0}
+
+
+def test_mismatch_statistics_by_hand_and_under_their_own_names():
+    """|trainer - rollout| means and k3 KL(rollout || trainer) over real tokens, and the max; every name starts with
+    mismatch/, so adding them to a loss's statistics (train/kl among them) can never sum two quantities."""
+    trainer = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.25, 0.1]]))
+    sums, maxima = mismatch_stats(trainer, rollout, torch.tensor([[1.0, 1.0, 0.0]]), num_tokens=2)
+    assert sums["mismatch/logprob_abs_diff_mean"].item() == pytest.approx(math.log(2) / 2)
+    assert sums["mismatch/kl"].item() == pytest.approx((0.5 - math.log(0.5) - 1) / 2)
+    assert maxima["mismatch/logprob_abs_diff_max"].item() == pytest.approx(math.log(2))
+    assert all(name.startswith("mismatch/") for name in [*sums, *maxima])
+
+
+def test_prompts_for_rank_partition_each_step_over_ranks():
+    whole, first = prompts_for_rank(3, seed=1, num_prompts=100, prompts_per_step=8, rank=0, world_size=1)
+    parts = [prompts_for_rank(3, 1, 100, 8, rank, 2) for rank in range(2)]
     assert first == 0 and [p[1] for p in parts] == [0, 4]
     assert parts[0][0] + parts[1][0] == whole
-    assert llm.step_prompts(4, 1, 100, 8, 0, 1)[0] != whole
-    epoch_steps = [set(llm.step_prompts(s, 1, 100, 8, 0, 1)[0]) for s in range(1, 13)]
+    assert prompts_for_rank(4, 1, 100, 8, 0, 1)[0] != whole
+    epoch_steps = [set(prompts_for_rank(s, 1, 100, 8, 0, 1)[0]) for s in range(1, 13)]
     assert len(set().union(*epoch_steps)) == 96  # 12 steps of 8 in one epoch: no prompt twice
 
 
@@ -226,7 +274,7 @@ def test_reward_model_scores_left_padded_batches_like_single_sequences(world_of_
     AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     tokenizer.save_pretrained(tmp_path)
-    judge = llm.RewardModel(str(tmp_path), "float32", torch.device("cpu"), 1, micro_batch_size=2)
+    judge = RewardModel(str(tmp_path), LLMArgs(micro_batch_size=2), torch.device("cpu"))
     examples = [Example("12+7=", "19"), Example("305+41=", "346"), Example("1+1=", "2")]
     completions = ["19", "3461", ""]
     scores = judge(examples, completions)  # micro-batches of 2 and 1, rows of different lengths
@@ -244,12 +292,12 @@ def test_check_scalar_head_rejects_a_head_that_does_not_fit(tmp_path: Path, caps
 
     AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(TINY, num_labels=1)).save_pretrained(
         tmp_path)
-    llm.check_scalar_head(str(tmp_path), "--reward-model", must_be_classifier=True)  # a fitting head passes
+    check_scalar_head(str(tmp_path), "--reward-model", must_be_classifier=True)  # a fitting head passes
     weights = load_file(tmp_path / "model.safetensors")
     weights["score.weight"] = torch.zeros(1, 64)  # hidden size is 128
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(SystemExit):
-        llm.check_scalar_head(str(tmp_path), "--critic-model", must_be_classifier=False)
+        check_scalar_head(str(tmp_path), "--critic-model", must_be_classifier=False)
     assert "its score head is [1, 64], but its hidden size is 128" in capsys.readouterr().err
 
 
@@ -261,8 +309,7 @@ def test_a_frozen_model_is_resharded_after_its_forward(world_of_one):
 
     ids = torch.tensor([PROMPTS[1]])
     for trainable, sharded_after_forward in ((False, True), (True, False)):
-        model = llm.load_model(str(TINY), "float32", torch.device("cpu"), 1, trainable=trainable,
-                               reshard_after_forward=False)
+        model = load_model(str(TINY), LLMArgs(reshard_after_forward=False), torch.device("cpu"), trainable=trainable)
         with torch.no_grad():
             model(input_ids=ids)
         block_params = list(model.model.layers[0].parameters())
@@ -281,7 +328,7 @@ def test_reward_model_reads_a_text_that_ends_in_its_pad_token(world_of_one, tmp_
     tokenizer.pad_token = tokenizer.eos_token
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}"
     tokenizer.save_pretrained(tmp_path)
-    judge = llm.RewardModel(str(tmp_path), "float32", torch.device("cpu"), 1, micro_batch_size=2)
+    judge = RewardModel(str(tmp_path), LLMArgs(micro_batch_size=2), torch.device("cpu"))
     examples, completions = [Example("12+7=", "19"), Example("305+41=", "346")], ["19", "3"]
     scores = judge(examples, completions)
     plain = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()

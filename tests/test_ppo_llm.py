@@ -16,11 +16,14 @@ from ppo_llm import (
     ValueModel,
     adaptive_kl_coef,
     check_args,
-    critic_values,
+    clip_active,
     gae,
     moments,
     policy_loss,
+    predicted_values,
     token_rewards,
+    truncated_is_weight,
+    value_clip_active,
     value_loss,
     whiten,
 )
@@ -88,7 +91,7 @@ def test_token_rewards_by_hand():
     """-beta * kl at every token, the score added at each completion's last real token."""
     kl = torch.tensor([[0.2, -0.1, 0.4], [1.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    rewards = token_rewards(torch.tensor([1.0, -0.5]), kl, mask, kl_coef=0.5)
+    rewards = token_rewards(torch.tensor([1.0, -0.5]), kl, mask, beta=0.5)
     torch.testing.assert_close(rewards, torch.tensor([[-0.1, 0.05, 0.8], [-1.0, 0.0, 0.0]]))
 
 
@@ -100,7 +103,7 @@ def test_adaptive_kl_coef_by_hand():
 
 
 def test_policy_loss_by_hand():
-    """Ratios 1.5, 1.5, 0.5, 0.5 with advantages +1, -1, +1, -1, cliprange 0.2:
+    """Ratios 1.5, 1.5, 0.5, 0.5 with advantages +1, -1, +1, -1, clip_eps 0.2:
       r 1.5, A +1: max(-1.5, -1.2) = -1.2 (clipped);  r 1.5, A -1: max(1.5, 1.2) = 1.5
       r 0.5, A +1: max(-0.5, -0.8) = -0.5;            r 0.5, A -1: max(0.5, 0.8) = 0.8 (clipped)
     TIS weights min(pi_old / pi_rollout, cap 1.5): 2 -> 1.5 on the first token, 1 elsewhere; the last token is
@@ -110,32 +113,35 @@ def test_policy_loss_by_hand():
     rollout = torch.log(torch.tensor([[0.5, 1.0, 1.0, 1.0]]))
     advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss, stats = policy_loss(logprobs, old, rollout, advantages, mask, cliprange=0.2, tis_cap=1.5, num_tokens=3)
+    loss = policy_loss(logprobs, old, rollout, advantages, mask, clip_eps=0.2, tis_cap=1.5, num_tokens=3)
     assert loss.item() == pytest.approx((-1.2 * 1.5 + 1.5 - 0.5) / 3)
-    assert stats["clip_fraction"].item() == pytest.approx(1 / 3)  # the fourth clipped token is padding
-    assert stats["approx_kl"].item() == pytest.approx(0.5 * (2 * math.log(1.5) ** 2 + math.log(0.5) ** 2) / 3)
-    assert stats["tis_weight"].item() == pytest.approx((1.5 + 1 + 1) / 3)
+    # the statistics the loop logs next to it, as shares of the token mean
+    clipped = clip_active(logprobs, old, advantages, clip_eps=0.2)
+    assert (clipped * mask).sum().item() / 3 == pytest.approx(1 / 3)  # the fourth clipped token is padding
+    approx_kl = (0.5 * (logprobs - old) ** 2 * mask).sum().item() / 3  # as the loop computes it (N+ details)
+    assert approx_kl == pytest.approx(0.5 * (2 * math.log(1.5) ** 2 + math.log(0.5) ** 2) / 3)
+    assert (truncated_is_weight(old, rollout, 1.5) * mask).sum().item() / 3 == pytest.approx((1.5 + 1 + 1) / 3)
     loss.backward()  # the clipped token has no gradient; the others d(-A r w)/dlogp = -A r w
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 1.5, -0.5, 0.0]]) / 3)
 
 
 def test_policy_loss_without_tis():
     logprobs, rollout = torch.zeros(1, 2), torch.log(torch.tensor([[0.25, 4.0]]))
-    loss, stats = policy_loss(logprobs, logprobs, rollout, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2, 0.0, 2)
-    assert loss.item() == pytest.approx(-1.0) and stats["tis_weight"].item() == 1.0
+    loss = policy_loss(logprobs, logprobs, rollout, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2, 0.0, 2)
+    assert loss.item() == pytest.approx(-1.0) and torch.all(truncated_is_weight(logprobs, rollout, 0.0) == 1.0)
 
 
 def test_value_loss_by_hand():
-    """cliprange_value 0.2, V_old = 0 everywhere:
+    """clip_eps_value 0.2, V_old = 0 everywhere:
       V 1.0, R 2.0: unclipped (1 - 2)^2 = 1, clipped (0.2 - 2)^2 = 3.24 -> 3.24 (clipped term wins)
       V 1.0, R 0.5: unclipped 0.25, clipped (0.2 - 0.5)^2 = 0.09 -> 0.25
       V 0.1, R 1.0: inside the range, both 0.81 -> 0.81 (not counted as clipped)
     Loss = 0.5 * (3.24 + 0.25 + 0.81) / 3."""
     values = torch.tensor([[1.0, 1.0, 0.1]], requires_grad=True)
     returns = torch.tensor([[2.0, 0.5, 1.0]])
-    loss, stats = value_loss(values, torch.zeros(1, 3), returns, torch.ones(1, 3), cliprange_value=0.2, num_tokens=3)
+    loss = value_loss(values, torch.zeros(1, 3), returns, torch.ones(1, 3), clip_eps_value=0.2, num_tokens=3)
     assert loss.item() == pytest.approx(0.5 * (3.24 + 0.25 + 0.81) / 3)
-    assert stats["value_clip_fraction"].item() == pytest.approx(1 / 3)
+    assert value_clip_active(values, torch.zeros(1, 3), returns, 0.2).mean().item() == pytest.approx(1 / 3)
     loss.backward()  # the clipped term is constant in V: no gradient through the first token
     torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.5, -0.9]]) / 3)
 
@@ -143,13 +149,13 @@ def test_value_loss_by_hand():
 def test_value_model_has_one_output_and_no_dropout():
     """The value model trains in train mode: a dropout left on its head (transformers' default for token classifiers
     is 0.1) would make V_old and V differ on the same tokens. Two forwards of one batch must agree exactly."""
-    from common.llm import make_batch
+    from common.batching import make_batch
 
     torch.manual_seed(0)
-    critic = ValueModel.from_pretrained(str(TINY), dtype=torch.float32).train()
+    value_model = ValueModel.from_pretrained(str(TINY), dtype=torch.float32).train()
     batch = make_batch([[3, 4, 12], [5, 13]], [[9, 10, 1], [11]], pad_id=0, device=torch.device("cpu"))
     with torch.no_grad():
-        first, second = critic_values(critic, batch), critic_values(critic, batch)
+        first, second = predicted_values(value_model, batch), predicted_values(value_model, batch)
     assert first.shape == (2, 3) and torch.equal(first, second)
 
 
@@ -196,10 +202,10 @@ def final_hash(run_dir: Path) -> str:
     return json.loads((run_dir / "final.json").read_text())["parameter_sha256"]
 
 
-TRAIN_KEYS = ("train/score", "train/accuracy", "train/non_score_reward", "train/kl", "train/kl_coef", "train/approx_kl",
-              "train/clip_fraction", "train/value_clip_fraction", "train/value_loss", "train/policy_loss",
+TRAIN_KEYS = ("train/score", "train/accuracy", "train/non_score_reward", "train/kl", "train/sequence_kl", "train/beta",
+              "train/approx_kl", "train/clip_fraction", "train/value_clip_fraction", "train/value_loss", "train/loss",
               "train/explained_variance", "train/entropy", "train/completion_length", "train/truncated_fraction",
-              "train/grad_norm", "train/critic_grad_norm", "train/learning_rate", "train/critic_learning_rate",
+              "train/grad_norm", "train/value_grad_norm", "train/learning_rate", "train/value_learning_rate",
               "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/kl",
               "mismatch/tis_weight_mean")
 
@@ -220,8 +226,11 @@ def test_end_to_end_torchrun_vllm(ppo_reference_run: Path):
     # the policy is the reference before the first update: the KL penalty starts at exactly 0, then grows
     assert metrics[1]["train/kl"] == 0.0 and metrics[1]["train/non_score_reward"] == 0.0
     assert all(m["train/kl"] != 0 for m in metrics[2:])
+    # train/kl is per token, as in GRPO; train/sequence_kl per completion, the controller's input
+    assert all(m["train/sequence_kl"] == pytest.approx(m["train/kl"] * m["train/completion_length"], rel=1e-12)
+               for m in metrics[1:])
     # the adaptive controller moves the coefficient by at most 1 + 0.2 * 64 / 200 per step, starting from --kl-coef
-    coefficients = [m["train/kl_coef"] for m in metrics[1:]]
+    coefficients = [m["train/beta"] for m in metrics[1:]]
     assert coefficients[0] == 0.05 and len(set(coefficients)) == 4
     assert all(abs(b / a - 1) <= 0.2 * 64 / 200 + 1e-9 for a, b in zip(coefficients, coefficients[1:]))
     # 2 epochs x 2 minibatches: after the first update the ratio moves and the clip acts
@@ -241,11 +250,11 @@ def test_checkpoint_holds_value_model_optimizers_and_kl_coefficient(ppo_referenc
     state = torch.load(root / "step_00000004" / "trainer_state.pt", weights_only=False)
     last = read_metrics(ppo_reference_run)[-1]
     # the coefficient for the next step: one controller update after the last logged one
-    assert state["extra"]["kl_coef"] == adaptive_kl_coef(last["train/kl_coef"], last["train/kl"], 0.5, 64, 200)
+    assert state["extra"]["beta"] == adaptive_kl_coef(last["train/beta"], last["train/sequence_kl"], 0.5, 64, 200)
     from torch.distributed.checkpoint import FileSystemReader
 
     stored = " ".join(FileSystemReader(root / "step_00000004" / "trainer").read_metadata().state_dict_metadata)
-    assert "critic.model.score.weight" in stored and "critic.optimizer.state" in stored
+    assert "value_model.model.score.weight" in stored and "value_model.optimizer.state" in stored
     assert "policy.optimizer.state" in stored
 
 
@@ -300,7 +309,7 @@ def test_reward_model_path_with_a_tiny_classifier(tiny_classifiers: dict[str, Pa
     """A one-label classifier scores the completions and, as in the N+ details, initialises the value model too; a
     missing-EOS penalty and a fixed KL coefficient on the side."""
     classifier = str(tiny_classifiers["reward_model"])
-    options = ["--reward-model", classifier, "--critic-model", classifier, "--missing-eos-penalty", "1.0",
+    options = ["--reward-model", classifier, "--value-model", classifier, "--missing-eos-penalty", "1.0",
                "--max-completion-length", "4", "--total-steps", "1", "--save-every", "0", "--num-eval-prompts", "16"]
     check(run_script("ppo_llm.py", [*SMALL_PPO, *options, "--run-root", str(tmp_path)], nproc=2))
     metrics = read_metrics(only_run_dir(tmp_path))
@@ -314,8 +323,8 @@ def test_reward_model_path_with_a_tiny_classifier(tiny_classifiers: dict[str, Pa
 
 # ---------------------------------------------------------------- bad input: a clear message and exit 2, no hang
 
-MODEL_ARGS = {"bad_head": ("critic_model", "its score head is [1, 64], but its hidden size is 128"),
-              "small_vocab": ("critic_model", "has a vocabulary of 8 tokens, the policy 15"),
+MODEL_ARGS = {"bad_head": ("value_model", "its score head is [1, 64], but its hidden size is 128"),
+              "small_vocab": ("value_model", "has a vocabulary of 8 tokens, the policy 15"),
               "two_labels": ("reward_model", "has 2 labels; it must have exactly one"),
               "tiny-adder": ("reward_model", "is not a sequence classifier")}
 
@@ -328,10 +337,11 @@ MODEL_ARGS = {"bad_head": ("critic_model", "its score head is [1, 64], but its h
     ({"num_minibatches": 3}, "each rank's 32 completions per step"),
     ({"gamma": 1.5}, "--gamma and --lam must lie in [0, 1]"),
     ({"lam": -0.1}, "--gamma and --lam must lie in [0, 1]"),
-    ({"cliprange_value": 0.0}, "--cliprange, --cliprange-value and --vf-coef must be positive"),
-    ({"kl_coef": -0.1}, "--kl-coef, --missing-eos-penalty, --tis-cap and --warmup-steps must be non-negative"),
-    ({"kl_coef": 0.0, "target_kl": 0.5}, "--target-kl needs positive"),
-    ({"critic_learning_rate": 0.0}, "--critic-learning-rate must be positive"),
+    ({"clip_eps_value": 0.0}, "--clip-eps, --clip-eps-value and --vf-coef must be positive"),
+    ({"beta": -0.1}, "--beta, --missing-eos-penalty and --tis-cap must be non-negative"),
+    ({"warmup_steps": -1}, "--num-eval-prompts and --warmup-steps must be non-negative"),
+    ({"beta": 0.0, "target_kl": 0.5}, "--target-kl needs positive"),
+    ({"value_learning_rate": 0.0}, "--value-learning-rate must be positive"),
     *[({field: name}, message) for name, (field, message) in MODEL_ARGS.items()],
 ])
 def test_check_args_rejects_bad_input(changes: dict, message: str, tiny_classifiers: dict[str, Path], capsys):
@@ -348,7 +358,7 @@ def test_check_args_rejects_bad_input(changes: dict, message: str, tiny_classifi
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--num-minibatches", "3"], "each rank's 32 completions per step"),
-    (["--critic-model", "bad_head"], MODEL_ARGS["bad_head"][1]),
+    (["--critic-model", "bad_head"], MODEL_ARGS["bad_head"][1]),  # the flag's earlier name still works
 ])
 def test_bad_input_fails_fast_under_torchrun(args: list[str], message: str, tiny_classifiers: dict[str, Path],
                                              tmp_path: Path):

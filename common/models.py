@@ -1,0 +1,148 @@
+"""Models: loading and FSDP2 sharding, the optimizer and its schedule, and full weights streamed out of the shards (into
+the rollout engine every step, into safetensors files at a checkpoint). A 7B policy is 28 GB in float32 and its Adam
+state 56 GB more, so no rank holds the whole model: weights leave the shards SYNC_BUCKET_BYTES at a time."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from common.distributed import fail
+
+if TYPE_CHECKING:
+    from common.llm_run import LLMArgs
+
+EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model
+SYNC_BUCKET_BYTES = 256 * 2**20  # full tensors held at once while streaming weights (a 0.5B layer is 30 MB in bf16)
+
+
+def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool = True, model_class: object = None
+               ) -> torch.nn.Module:
+    """A HF model with float32 master weights, sharded with FSDP2 per transformer block (the classes in the model's
+    `_no_split_modules`, e.g. Qwen2DecoderLayer) and at the root; computes in `args.dtype`, reduces in float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    # a frozen model never runs the backward that would reshard it: kept gathered, it would hold a full copy all run
+    reshard_after_forward = args.reshard_after_forward or not trainable
+    for block in [m for m in model.modules() if type(m).__name__ in block_classes]:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if not trainable:
+        model.eval().requires_grad_(False)
+    return model
+
+
+def learning_rate_factor(update: int, warmup_steps: int, total_updates: int, schedule: str) -> float:
+    """Linear warm-up to 1, then constant, linear or cosine decay to 0 at `total_updates`."""
+    if update < warmup_steps:
+        return (update + 1) / warmup_steps
+    progress = (update - warmup_steps) / max(1, total_updates - warmup_steps)
+    if schedule == "linear":
+        return max(0.0, 1 - progress)
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
+
+
+def make_optimizer(model: torch.nn.Module, args: LLMArgs, learning_rate: float, total_updates: int
+                   ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the model's shards (foreach: one op per step for all of them) and the warm-up + decay schedule."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=args.weight_decay, foreach=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: learning_rate_factor(
+        update, args.warmup_steps, total_updates, args.lr_schedule))
+    return optimizer, scheduler
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LambdaLR, max_grad_norm: float, step: int
+                   ) -> tuple[float, float]:
+    """Clip by the global gradient norm, step, advance the schedule, free the gradients (before the engine wakes); a
+    non-finite norm (the same on every rank) stops the run before the weights change. Returns norm and rate used."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not math.isfinite(grad_norm):
+        fail(f"non-finite gradient at step {step} (grad norm {grad_norm}); the last checkpoint is left as it was")
+    learning_rate = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, learning_rate
+
+
+def stream_weights(model: torch.nn.Module, dtype: torch.dtype, tied_aliases: bool = True
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full tensors, gathered in buckets of about SYNC_BUCKET_BYTES (a collective: every rank iterates to
+    the end, in the same order): within a bucket the all-gathers run back to back, so no rank waits on another's
+    consumer (vLLM's loader) after every tensor. Shards are cast before their all-gather (bfloat16 moves half the
+    bytes); a tied tensor is gathered once and, with `tied_aliases`, yielded under its other names right after (vLLM
+    rebuilds a layer that gets no weights from its old copy). Buffers (rotary tables) are left out: engines compute
+    their own."""
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    bucket: list[tuple[str, torch.Tensor]] = []
+    bucket_bytes = 0
+    for name, parameter in model.named_parameters():
+        tensor = parameter.detach().to(dtype)
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        bucket += [(alias, tensor) for alias in (aliases[id(parameter)] if tied_aliases else [name])]
+        bucket_bytes += tensor.numel() * tensor.element_size()
+        if bucket_bytes >= SYNC_BUCKET_BYTES:
+            yield from bucket
+            bucket, bucket_bytes = [], 0
+    yield from bucket
+
+
+def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path) -> None:
+    """`save_pretrained`'s layout (config, safetensors shards, index, tokenizer) from a streamed gather: rank 0
+    holds at most one shard file's worth of tensors; weights are stored in the config's dtype. Every rank calls it."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+    is_writer = dist.get_rank() == 0
+    shard, shard_bytes, files, weight_map = {}, 0, [], {}
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        name = f"part-{len(files):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        files.append((name, list(shard)))
+        shard, shard_bytes = {}, 0
+
+    for name, tensor in stream_weights(model, dtype, tied_aliases=False):
+        if is_writer:
+            shard[name] = tensor.cpu().contiguous()
+            shard_bytes += tensor.numel() * tensor.element_size()
+            if shard_bytes >= EXPORT_SHARD_BYTES:
+                flush()
+    if not is_writer:
+        return
+    if shard or not files:
+        flush()
+    if len(files) == 1:
+        os.replace(directory / files[0][0], directory / "model.safetensors")
+    else:
+        for index, (name, keys) in enumerate(files):
+            final = f"model-{index + 1:05d}-of-{len(files):05d}.safetensors"
+            os.replace(directory / name, directory / final)
+            weight_map.update(dict.fromkeys(keys, final))
+        index_file = {"metadata": {}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
+    config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
