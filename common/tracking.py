@@ -6,11 +6,13 @@ tracker's writes do nothing, so scripts call it unconditionally.
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -57,6 +59,25 @@ def _versions() -> dict[str, str | None]:
     return {**versions, "cuda": torch.version.cuda}
 
 
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503: Foo_Bar and foo-bar are one package
+
+
+def _lock() -> dict[str, object]:
+    """Which of the repository's lock files (requirements-*.lock.txt) the installed packages match best, its sha256,
+    and every pinned package installed at another version (or not at all): the software a run used, checkable."""
+    installed = {_canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    best: dict[str, object] = {}
+    for path in sorted(ROOT.glob("requirements-*.lock.txt")):
+        text = path.read_text()
+        pins = {_canonical(name): version for name, version in re.findall(r"^([\w.-]+)==([^\s;]+)", text, re.M)}
+        differ = [f"{name}=={version} (installed: {installed.get(name, 'none')})" for name, version in pins.items()
+                  if installed.get(name) != version]
+        if not best or len(differ) < len(best["differs"]):
+            best = {"file": path.name, "sha256": hashlib.sha256(text.encode()).hexdigest(), "differs": differ}
+    return best
+
+
 def _command() -> str:
     """The command line as typed, with the torchrun launcher when there was one."""
     launcher = (f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')}"
@@ -98,7 +119,7 @@ class RunTracker:
                 resume_step: int) -> Path:
         arg_dict = dataclasses.asdict(args)
         launch = {"args": arg_dict, "command": LAUNCH_COMMAND, "world_size": world_size, "determinism": determinism,
-                  "versions": _versions(), "devices": _devices(), **_git_state(),
+                  "versions": _versions(), "lock": _lock(), "devices": _devices(), **_git_state(),
                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if continued is not None:
             self.run_dir = continued

@@ -126,3 +126,25 @@ def test_addition_held_out_excludes_commutative_twins():
     raw = {example.prompt for example in addition_examples(len(task.train), task.digits, random.Random(1234 + 1))}
     assert len(twins & raw - {example.prompt for example in task.test}) > 10
 
+
+def test_manifest_lock_record_picks_the_matching_lock_and_names_what_differs(tmp_path: Path, monkeypatch):
+    """The manifest's `lock` entry: the lock file the installed packages match best, its sha256, and every pinned
+    package installed at another version (or missing)."""
+    import hashlib
+    import importlib.metadata
+
+    from common import tracking
+
+    torch_version, numpy_version = importlib.metadata.version("torch"), importlib.metadata.version("numpy")
+    (tmp_path / "requirements-a.lock.txt").write_text(f"# a comment\ntorch=={torch_version}\nNumPy==0.0.1\n")
+    (tmp_path / "requirements-b.lock.txt").write_text(f"torch=={torch_version}\nnumpy=={numpy_version}\n"
+                                                      "no-such-package==1.0\n")
+    (tmp_path / "requirements-c.lock.txt").write_text(f"torch=={torch_version}\nnumpy=={numpy_version}\n")
+    monkeypatch.setattr(tracking, "ROOT", tmp_path)
+    record = tracking._lock()
+    assert record["file"] == "requirements-c.lock.txt" and record["differs"] == []
+    assert record["sha256"] == hashlib.sha256((tmp_path / "requirements-c.lock.txt").read_bytes()).hexdigest()
+    (tmp_path / "requirements-c.lock.txt").unlink()
+    record = tracking._lock()  # a and b each differ in one package: the first of equals wins
+    assert record["file"] == "requirements-a.lock.txt"
+    assert record["differs"] == [f"numpy==0.0.1 (installed: {numpy_version})"]

@@ -1,12 +1,13 @@
 """GRPO: the algorithm's functions against hand-computed values, then the script end to end."""
 
+import hashlib
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_GRPO, check, only_run_dir, read_metrics, run_script
+from conftest import ROOT, SMALL_GRPO, check, only_run_dir, read_metrics, run_script
 
 from common.models import learning_rate_factor
 from grpo_llm import (
@@ -143,6 +144,10 @@ def test_end_to_end_torchrun_vllm(grpo_reference_run: Path):
     assert manifest["versions"]["vllm"] == "0.32.0" and manifest["determinism"]["deterministic"] is True
     assert manifest["determinism"]["vllm_model_runner"] in ("v1", "v2")
     assert "git_commit" in manifest and "git_dirty" in manifest
+    # the software: `make install` installs requirements-cpu.lock.txt exactly, and the manifest says so
+    lock = manifest["lock"]
+    assert lock["file"] == "requirements-cpu.lock.txt" and lock["differs"] == [], lock
+    assert lock["sha256"] == hashlib.sha256((ROOT / "requirements-cpu.lock.txt").read_bytes()).hexdigest()
     assert manifest["command"].startswith("torchrun --nproc_per_node 2 grpo_llm.py --prompts-per-step 16")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
