@@ -209,8 +209,7 @@ def prompts_for_rank(step: int, seed: int, num_prompts: int, prompts_per_step: i
                      ) -> tuple[list[int], int]:
     """This rank's prompt indices for `step` (1-based), and the position of the first of them in the step's global
     batch: a fixed permutation per epoch, cut into consecutive steps, each step split into contiguous rank slices."""
-    steps_per_epoch = num_prompts // prompts_per_step
-    epoch, position = divmod(step - 1, steps_per_epoch)
+    epoch, position = divmod(step - 1, num_prompts // prompts_per_step)  # steps per epoch
     order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     per_rank = prompts_per_step // world_size
     first = position * prompts_per_step + rank * per_rank

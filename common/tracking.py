@@ -62,10 +62,11 @@ def _versions() -> dict[str, str | None]:
 def _lock() -> dict[str, object]:
     """Which of the repository's lock files (requirements-*.lock.txt) the installed packages match best, its sha256,
     and every pinned package installed at another version (or not at all): the software a run used, checkable."""
-    def canonical(name: str) -> str:  # PEP 503: Foo_Bar and foo-bar are one package
-        return re.sub(r"[-_.]+", "-", name).lower()
+    def canonical(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
 
-    installed = {canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    # reversed: the first of several copies on sys.path wins (setuptools appends its vendored packaging, typeguard...)
+    installed = {canonical(d.metadata["Name"]): d.version for d in reversed(list(importlib.metadata.distributions()))}
     best: dict[str, object] = {}
     for path in sorted(ROOT.glob("requirements-*.lock.txt")):
         text = path.read_text()
