@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, check, only_run_dir, read_metrics, run_script
 
-from dpo_online import dpo_loss, implicit_rewards, preference_pairs
+from dpo_online import Args, check_args, dpo_loss, implicit_rewards, preference_pairs
 
 # 2 ranks x 8 prompts x 4 samples, pairs in micro-batches of 4 (2 per rank per micro-batch), a checkpoint at step 2
 SMALL_DPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "8", "--num-eval-prompts",
@@ -187,13 +187,25 @@ def test_reward_model_judge_end_to_end(tmp_path: Path):
 # ---------------------------------------------------------------- bad input: a clear message, no hang, nothing written
 
 
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"num_generations": 1}, "--num-generations must be at least 2"),
+    ({"beta": 0.0}, "--beta must be positive"),
+    ({"reward_model": str(ROOT / "assets" / "tiny-adder")}, "is not a sequence classifier"),
+    ({"reward_model": "/nonexistent/judge"}, "cannot load --reward-model"),
+])
+def test_check_args_rejects_bad_input(changes: dict, message: str, capsys):
+    """Checks that run in check_args, on every rank, before the process group exists (in-process here; the torchrun
+    tests below show such a check stopping both ranks)."""
+    with pytest.raises(SystemExit) as exit_info:
+        check_args(Args(**{"prompts_per_step": 16, **changes}), world_size=2)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    check_args(Args(prompts_per_step=16), world_size=2)  # the baseline passes
+
+
 @pytest.mark.parametrize(("args", "message"), [
-    (["--num-generations", "1"], "--num-generations must be at least 2"),
-    (["--beta", "0"], "--beta must be positive"),
-    (["--prompts-per-step", "15"], "must be divisible by the world size 2"),
-    (["--reward-model", str(ROOT / "assets" / "tiny-adder")], "is not a sequence classifier"),
-    (["--reward-model", "/nonexistent/judge"], "cannot load --reward-model"),
-    (["--resume", "/nonexistent/checkpoint"], "no complete checkpoint"),
+    (["--prompts-per-step", "15"], "must be divisible by the world size 2"),  # check_args, on both ranks
+    (["--resume", "/nonexistent/checkpoint"], "no complete checkpoint"),  # prepare_run, after the group exists
 ])
 def test_bad_input_fails_fast_under_torchrun(args: list[str], message: str, tmp_path: Path):
     result = run_script("dpo_online.py", [*SMALL_DPO, *args, "--run-root", str(tmp_path / "runs")], nproc=2,

@@ -11,7 +11,9 @@ from conftest import ROOT, SMALL_GRPO, check, only_run_dir, read_metrics, run_sc
 
 from common.models import learning_rate_factor
 from grpo_llm import (
+    Args,
     aggregate_loss,
+    check_args,
     clip_active,
     clipped_surrogate,
     group_advantages,
@@ -258,17 +260,30 @@ def test_world_size_1_and_2_agree_on_the_same_global_batch(grpo_reference_run: P
 # ---------------------------------------------------------------- bad input: a clear message and exit 2, no hang
 
 
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"prompts_per_step": 15}, "must be divisible by the world size 2"),
+    ({"vllm_tp": 3}, "--vllm-tp 3 must divide the world size 2"),
+    ({"learning_rate": 0.0}, "--learning-rate must be positive"),
+    ({"num_generations": -1}, "--num-generations must be positive"),
+    ({"model_name_or_path": "/nonexistent/model"}, "is not a model directory"),
+    ({"num_iterations": 0}, "--num-iterations must be positive"),
+    ({"eval_every": -1}, "must be non-negative"),
+])
+def test_check_args_rejects_bad_input(changes: dict, message: str, capsys):
+    """The checks that need no model or data run in check_args, on every rank, before the process group exists; the
+    torchrun test below shows one of them stopping both ranks."""
+    with pytest.raises(SystemExit) as exit_info:
+        check_args(Args(**{"prompts_per_step": 16, **changes}), world_size=2)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    check_args(Args(prompts_per_step=16), world_size=2)  # the baseline passes
+
+
 @pytest.mark.parametrize(("args", "message"), [
-    (["--prompts-per-step", "15"], "must be divisible by the world size 2"),
-    (["--vllm-tp", "3"], "--vllm-tp 3 must divide the world size 2"),
-    (["--learning-rate", "0"], "--learning-rate must be positive"),
-    (["--num-generations", "-1"], "--num-generations must be positive"),
-    (["--model-name-or-path", "/nonexistent/model"], "is not a model directory"),
-    (["--model-name-or-path", "no-such-org/no-such-model"], "cannot load model"),
+    (["--prompts-per-step", "15"], "must be divisible by the world size 2"),  # check_args, on both ranks
+    (["--model-name-or-path", "no-such-org/no-such-model"], "cannot load model"),  # prepare_run, after the group
     (["--task", "/nonexistent/dataset"], "cannot load task"),
     (["--resume", "/nonexistent/checkpoint"], "no complete checkpoint"),
-    (["--num-iterations", "0"], "--num-iterations must be positive"),
-    (["--eval-every", "-1"], "must be non-negative"),
 ])
 def test_bad_input_fails_fast_under_torchrun(args: list[str], message: str, tmp_path: Path):
     result = run_script("grpo_llm.py", [*SMALL_GRPO, *args, "--run-root", str(tmp_path)], nproc=2, timeout=180)
