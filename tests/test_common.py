@@ -106,7 +106,8 @@ def test_hf_engine_samples_do_not_depend_on_batch_mates():
     together = engine.generate(prompts, [11, 22, 33], max_tokens=6, temperature=1.0, eos_ids=[1])
     alone = engine.generate(prompts[1:2], [22], max_tokens=6, temperature=1.0, eos_ids=[1])
     assert together[1].completion_ids == alone[0].completion_ids
-    torch.testing.assert_close(torch.tensor(together[1].logprobs), torch.tensor(alone[0].logprobs))
+    # another batch shape rounds the float32 matmuls otherwise: measured 1.2e-6 on logprobs up to 3 in size
+    torch.testing.assert_close(torch.tensor(together[1].logprobs), torch.tensor(alone[0].logprobs), atol=1e-4, rtol=0)
     # negative control: other seeds for the same prompt give other samples
     reseeded = engine.generate(prompts[1:2] * 16, list(range(16)), max_tokens=6, temperature=2.0, eos_ids=[1])
     assert len({tuple(s.completion_ids) for s in reseeded}) > 4

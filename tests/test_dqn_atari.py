@@ -359,7 +359,9 @@ def test_two_rank_averaged_gradient_equals_the_one_rank_gradient_on_the_combined
     q_network, target_network = dqn.QNetwork(4), dqn.QNetwork(4)
     dqn.td_loss(q_network, target_network, random_batch(32), 0.99)[0].backward()
     for mine, theirs in zip((p.grad for p in q_network.parameters()), averaged):
-        torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-7)  # summation order differs, nothing else
+        # summation order differs, nothing else: measured at most 4e-6 of the tensor's largest element (a missing
+        # average would be off by 100%), so elements are judged against 1e-3 of that scale, on any CPU's kernels
+        torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-3 * mine.abs().max().item())
 
 
 class CountingQ(dqn.QNetwork):
