@@ -84,10 +84,17 @@ def measure_phases(script: Path, threads: int | None) -> dict[str, float]:
 
 
 def load_module(name: str, script: Path):
-    """Import a dqn_atari.py by path (an older commit's runs against this tree's common/, whose names it uses)."""
-    spec = importlib.util.spec_from_file_location(name, script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """Import a dqn_atari.py by path, with the common/ beside it (an older commit's worktree has its own): the
+    cached common modules are dropped first, and the loaded script keeps the ones it imported."""
+    for cached in [module for module in sys.modules if module == "common" or module.startswith("common.")]:
+        del sys.modules[cached]
+    sys.path.insert(0, str(script.resolve().parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
     return module
 
 
