@@ -285,9 +285,10 @@ if __name__ == "__main__":
         #   logprobs      [B, C] log pi_theta(token | prompt, earlier tokens) after temperature, with gradient;
         #   old_logprobs  the same tokens under the policy before this step's updates (the pass below), and
         #   rollout_logprobs (batch.rollout_logprobs) under the engine that sampled them; all three exactly 0.0 where
-        #   batch.mask [B, C] is 0 (padding). advantages, old_values, returns: [B, C], 0.0 there too; values [B, C]
-        #   from the value model, with gradient. Each loss is the micro-batch's share of its minibatch's token mean
-        #   over all ranks; FSDP averages gradients over ranks, hence the backward of loss * world_size.
+        #   batch.mask [B, C] is 0 (padding). advantages, returns: [B, C], 0.0 there too; values (with gradient) and
+        #   old_values [B, C] from the value model, not zeroed on padding (the losses mask them). Each loss is the
+        #   micro-batch's share of its minibatch's token mean over all ranks; FSDP averages gradients over ranks,
+        #   hence the backward of loss * world_size.
         # --- one pass without gradients, in order: pi_old and its entropy, pi_ref, V_old ---
         train_start = time.time()
         policy.eval()  # dropout off (N+ details): pi_old, V_old and every update see the same deterministic network
@@ -331,11 +332,13 @@ if __name__ == "__main__":
 
         # --- update: one optimizer step per minibatch for each model, gradient accumulation over micro-batches ---
         norms = {"train/grad_norm": 0.0, "train/value_grad_norm": 0.0}  # means over this step's updates
+        on_device = [minibatch.to(device) for minibatch in minibatches]  # before the loop: no copy waits on a backward
         for update, minibatch in enumerate(minibatches):
             minibatch_tokens = counts[f"minibatch_tokens/{update}"]
-            indices = minibatch.split(args.micro_batch_size)
-            for index, batch in zip(indices, micro_batches(rollout, [i.tolist() for i in indices], run)):
-                index, width = index.to(device), batch.mask.shape[1]  # one host-to-device copy per micro-batch
+            indices = on_device[update].split(args.micro_batch_size)
+            pieces = [rows.tolist() for rows in minibatch.split(args.micro_batch_size)]
+            for index, batch in zip(indices, micro_batches(rollout, pieces, run)):
+                width = batch.mask.shape[1]
                 old, advantage, old_value, target = (t[index, :width] for t in (old_logprobs, advantages, old_values,
                                                                                 returns))
                 logprobs, values = token_logprobs(policy, batch, args.temperature), predicted_values(value_model, batch)

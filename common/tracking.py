@@ -64,9 +64,9 @@ def _lock() -> dict[str, object]:
     and every pinned package installed at another version (or not at all): the software a run used, checkable."""
     def canonical(name: str) -> str:
         return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
-
     # reversed: the first of several copies on sys.path wins (setuptools appends its vendored packaging, typeguard...)
-    installed = {canonical(d.metadata["Name"]): d.version for d in reversed(list(importlib.metadata.distributions()))}
+    found = [d for d in reversed(list(importlib.metadata.distributions())) if d.metadata["Name"]]  # skip broken ones
+    installed = {canonical(d.metadata["Name"]): d.version for d in found}
     best: dict[str, object] = {}
     for path in sorted(ROOT.glob("requirements-*.lock.txt")):
         text = path.read_text()
