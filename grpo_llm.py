@@ -8,7 +8,7 @@ What it is, in plain words: with the default `--num-iterations 1` the policy tha
 updated, so the clipped ratio is 1 and GRPO is token-level REINFORCE with group-normalised advantages (each
 completion's score minus its group's mean, over the group's std). The clip matters only with `--num-iterations` > 1.
 The one correction that always acts is truncated importance sampling (TIS): the rollout engine's probabilities differ
-slightly from the trainer's (other kernels), and each token is reweighted by min(pi_trainer / pi_rollout, cap).
+slightly from the trainer's (other kernels), and each token is reweighted by min(pi_old / pi_rollout, cap).
 
 Each torchrun rank holds one vLLM engine for rollouts and one FSDP2 shard of the policy for training; after every
 update the weights stream into the engine. Same arguments + same machine + same world size = same bits.
@@ -198,7 +198,7 @@ if __name__ == "__main__":
             old_logprobs = [token_logprobs(policy, b, args.temperature) if args.num_iterations > 1 else None
                             for b in batches]
             ref_logprobs = [token_logprobs(reference, b, args.temperature) if reference else None for b in batches]
-        totals = Totals()
+        totals, grad_norm = Totals(), 0.0  # the norm logged is the mean over the mu updates, as PPO's
         for _ in range(args.num_iterations):  # mu passes over the batch
             for m, (batch, advantage) in enumerate(zip(batches, advantages[:, None].split(args.micro_batch_size))):
                 logprobs = token_logprobs(policy, batch, args.temperature)
@@ -217,7 +217,8 @@ if __name__ == "__main__":
                                 "mismatch/tis_weight_mean": (tis_weight * batch.mask).sum() / num_tokens,
                                 **({"train/kl": (k3_kl(logprobs, ref) * batch.mask).sum() / num_tokens}
                                    if ref is not None else {})}, divisor=args.num_iterations)
-            grad_norm, learning_rate = optimizer_step(policy, optimizer, scheduler, args.max_grad_norm, step)
+            norm, learning_rate = optimizer_step(policy, optimizer, scheduler, args.max_grad_norm, step)
+            grad_norm += norm / args.num_iterations
         for batch, old in zip(batches, old_logprobs):  # the engine's logprobs against the trainer's, before the update
             totals.add(*mismatch_stats(old, batch.rollout_logprobs, batch.mask, num_tokens))
         train_s = time.time() - train_start
