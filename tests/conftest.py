@@ -38,6 +38,13 @@ def read_metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict[str, f
     return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
 
 
+def accuracy_windows(metrics: list[dict[str, float]], window: int = 10) -> tuple[float, float]:
+    """Mean train/accuracy of a run's first and last `window` steps. In the first epoch every step's prompts are new to
+    the policy, so this is its accuracy on unseen problems (at the sampling temperature), over window x samples."""
+    steps = [m["train/accuracy"] for m in metrics if "train/accuracy" in m]
+    return sum(steps[:window]) / window, sum(steps[-window:]) / window
+
+
 def check(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n" \
                                    f"--- stderr\n{result.stderr[-8000:]}"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check, only_run_dir, read_metrics, run_script
+from conftest import ROOT, accuracy_windows, check, only_run_dir, read_metrics, run_script
 
 from dpo_online import Args, check_args, dpo_loss, implicit_rewards, preference_pairs
 
@@ -227,12 +227,13 @@ def test_reward_model_with_two_labels_is_refused(tmp_path: Path):
 # ---------------------------------------------------------------- learning
 
 
-def test_online_dpo_raises_held_out_accuracy(tmp_path: Path):
-    """The defaults for 60 steps (the linear decay then reaches 0 at step 60): seed 1 ended at 65.0% from 50.0% on
-    an Intel Xeon machine of ours (at 100 steps, seeds 1 and 2 had ended at 65.0% and 67.4%)."""
-    result = run_script("dpo_online.py", ["--total-steps", "60", "--eval-every", "60",
-                                          "--run-root", str(tmp_path)], nproc=2)
+def test_online_dpo_learns_to_add_unseen_problems(tmp_path: Path):
+    """The defaults for 50 steps (the linear decay then reaches 0 at step 50), judged as in GRPO's learning test by
+    the accuracy of each step's own samples on problems seen once (conftest.accuracy_windows): in a 60-step run on an
+    Intel Xeon machine of ours it went from 26.8% (steps 1-10) to 38.1% (steps 41-50). The 3-seed held-out curves are
+    in benchmarks/results/dpo_seeds."""
+    result = run_script("dpo_online.py", ["--total-steps", "50", "--eval-every", "0", "--run-root", str(tmp_path)],
+                        nproc=2)
     check(result)
-    metrics = read_metrics(only_run_dir(tmp_path))
-    before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
-    assert after >= before + 0.05, (before, after)
+    first, last = accuracy_windows(read_metrics(only_run_dir(tmp_path)))
+    assert last >= first + 0.04, (first, last)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_GRPO, check, only_run_dir, read_metrics, run_script
+from conftest import ROOT, SMALL_GRPO, accuracy_windows, check, only_run_dir, read_metrics, run_script
 
 from common.models import learning_rate_factor
 from grpo_llm import (
@@ -309,12 +309,14 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path):
 # ---------------------------------------------------------------- learning
 
 
-def test_grpo_raises_held_out_accuracy(tmp_path: Path):
-    """The defaults for a quarter of the run. Accuracy dips in the first 20-40 steps before it climbs (seeds 1-3 of
-    benchmarks/results/grpo_seeds: 46.6-54.2% at step 20, 62.4-64.6% at step 100, from 50.0%)."""
-    result = run_script("grpo_llm.py", ["--total-steps", "100", "--eval-every", "100", "--run-root", str(tmp_path)],
+def test_grpo_learns_to_add_unseen_problems(tmp_path: Path):
+    """The defaults for 50 steps. The 50 steps draw 3,200 of the 100k training problems, each once, so the accuracy of
+    a step's own 512 samples is the policy's accuracy on problems it has not seen. Averaged over 10 steps it is far
+    steadier than one greedy evaluation (which at step 60 stood exactly +5.0 points up on one machine of ours, and
+    dips before it climbs): seed 1 went from 28.9% (steps 1-10) to 37.3% (steps 41-50) on an Intel Xeon machine.
+    The 3-seed held-out curves are in benchmarks/results/grpo_seeds."""
+    result = run_script("grpo_llm.py", ["--total-steps", "50", "--eval-every", "0", "--run-root", str(tmp_path)],
                         nproc=2)
     check(result)
-    metrics = read_metrics(only_run_dir(tmp_path))
-    before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
-    assert after >= before + 0.05, (before, after)
+    first, last = accuracy_windows(read_metrics(only_run_dir(tmp_path)))
+    assert last >= first + 0.04, (first, last)

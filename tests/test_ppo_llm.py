@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check, only_run_dir, read_metrics, run_script
+from conftest import ROOT, accuracy_windows, check, only_run_dir, read_metrics, run_script
 
 from ppo_llm import (
     Args,
@@ -372,14 +372,13 @@ def test_bad_input_fails_fast_under_torchrun(args: list[str], message: str, tiny
 # ---------------------------------------------------------------- learning
 
 
-def test_ppo_raises_held_out_accuracy(tmp_path: Path):
-    """The defaults for 100 of their 300 steps (a constant learning rate after warm-up, so the same steps as the
-    full run). Accuracy dips in the first 20-80 steps before it climbs: the default runs with seeds 1-3 of
-    benchmarks/results/ppo_seeds stood at 57.0%, 60.2% and 60.2% at step 100 (from 50.0%) and ended at 78.2%, 77.2% and
-    76.2% at step 300; this test's run (seed 1) reached 61.6% at step 100 on an Intel Xeon machine of ours."""
-    result = run_script("ppo_llm.py", ["--total-steps", "100", "--eval-every", "100", "--run-root", str(tmp_path)],
+def test_ppo_learns_to_add_unseen_problems(tmp_path: Path):
+    """The defaults for 50 of their 300 steps (a constant learning rate after warm-up: the full run's first 50),
+    judged as in GRPO's learning test by the accuracy of each step's own 256 samples on problems seen once
+    (conftest.accuracy_windows): seed 1 went from 29.8% (steps 1-10) to 37.1% (steps 41-50) on an Intel Xeon machine
+    of ours. The 3-seed held-out curves are in benchmarks/results/ppo_seeds."""
+    result = run_script("ppo_llm.py", ["--total-steps", "50", "--eval-every", "0", "--run-root", str(tmp_path)],
                         nproc=2)
     check(result)
-    metrics = read_metrics(only_run_dir(tmp_path))
-    before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
-    assert after >= before + 0.05, (before, after)
+    first, last = accuracy_windows(read_metrics(only_run_dir(tmp_path)))
+    assert last >= first + 0.04, (first, last)
