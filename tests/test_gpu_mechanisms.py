@@ -1,0 +1,106 @@
+"""GPU mechanisms reproduced on CPU, where CI can run them.
+
+vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, which --deterministic sets on GPUs) registers its own kernels for
+aten::mm, addmm, bmm, matmul and linear on compute capability 8.x, for the whole process the trainer shares. Here the
+same registrations go to the CPU key, in a child process (the dispatcher is process-wide), with kernels written from
+elementwise products and sums so that they call none of the ops they replace."""
+
+import json
+import subprocess
+import sys
+
+import torch
+from conftest import ROOT
+
+
+def _overriding_kernels(calls: dict[str, int]) -> torch.library.Library:
+    """vLLM's SM 8.x registrations, on the CPU key; `calls` counts each kernel's calls."""
+    def mm(a, b):
+        calls["mm"] += 1
+        return (a.unsqueeze(-1) * b.unsqueeze(0)).sum(-2)
+
+    def addmm(bias, a, b, beta=1, alpha=1):
+        return beta * bias + alpha * mm(a, b)
+
+    def bmm(a, b):
+        calls["mm"] += 1
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+
+    def matmul(a, b):  # the shapes the embedded model's forward uses: [..., K] x [K, N] and batched [..., M, K]
+        if b.dim() == 2:
+            return mm(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+        return bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])).reshape(*a.shape[:-1], b.shape[-1])
+
+    def linear(x, weight, bias=None):
+        out = mm(x.reshape(-1, x.shape[-1]), weight.t())
+        return (out if bias is None else out + bias).reshape(*x.shape[:-1], weight.shape[0])
+
+    library = torch.library.Library("aten", "IMPL")
+    for name, kernel in [("mm", mm), ("addmm", addmm), ("bmm", bmm), ("matmul", matmul), ("linear", linear)]:
+        library.impl(f"aten::{name}", kernel, "CPU")
+    return library
+
+
+def _grpo_update_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients of one GRPO loss (grpo_llm.py's, shared-prompt layout) on a fixed rollout."""
+    from common.batching import make_batch, token_logprobs
+    from grpo_llm import aggregate_loss, grpo_token_loss
+
+    prompts, completions = [[3, 4, 12]] * 2 + [[5, 12, 6, 7, 13]] * 2, [[9, 10, 1], [11], [9, 1], [10, 11, 12]]
+    rollout_logprobs = [[-1.0] * len(c) for c in completions]
+    batch = make_batch(prompts, completions, 0, torch.device("cpu"), share_prompts=True,
+                       rollout_logprobs=rollout_logprobs)
+    model.zero_grad(set_to_none=True)
+    logprobs = token_logprobs(model, batch, temperature=0.7)
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
+    per_token = grpo_token_loss(logprobs, logprobs.detach(), batch.rollout_logprobs, None, advantages, 0.2, 0.28, 2.0,
+                                0.0)
+    aggregate_loss(per_token, batch.mask, "dapo", 4, int(batch.mask.sum()), 4).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def child() -> None:
+    """Reference gradients; then the overrides: the crash, the reroute, the gradients again. Prints a JSON report."""
+    from test_llm import TINY, _rms_norm_64
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from common.determinism import python_kernels, reroute_composite_autograd
+
+    modeling_qwen2.Qwen2RMSNorm.forward = _rms_norm_64  # float64 throughout: the two sides differ by rounding only
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float64)
+    reference = _grpo_update_gradients(model)
+    calls = {"mm": 0}
+    library = _overriding_kernels(calls)  # noqa: F841 (the registrations live as long as the Library)
+    try:
+        _grpo_update_gradients(model)
+        crash = ""
+    except NotImplementedError as error:
+        crash = str(error).splitlines()[0]
+    rerouted = reroute_composite_autograd("cpu")
+    calls["mm"] = 0
+    gradients = _grpo_update_gradients(model)
+    print(json.dumps({
+        "crash": crash, "rerouted": rerouted, "python_kernels": python_kernels("cpu"), "override_calls": calls["mm"],
+        "rerouted_again": reroute_composite_autograd("cpu"), "same_names": sorted(gradients) == sorted(reference),
+        "max_abs_difference": max((gradients[n] - reference[n]).abs().max().item() for n in reference),
+        "max_abs_gradient": max(g.abs().max().item() for g in reference.values())}))
+
+
+def test_training_under_vllm_sm8x_overrides_reroutes_autograd_and_keeps_the_gradients():
+    result = subprocess.run([sys.executable, __file__], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    # negative control: the overrides alone crash the first backward, as on an A100
+    assert "aten::linear_backward" in report["crash"] or "aten::matmul_backward" in report["crash"], report["crash"]
+    assert report["rerouted"] == ["linear", "matmul"] and report["rerouted_again"] == []
+    assert report["python_kernels"] == ["aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "aten::mm"]
+    # the rerouted forward and backward ran the overriding kernels, and the gradients are the same function's: float64
+    # rounding alone separates the two (measured 4e-15 of the largest gradient)
+    assert report["override_calls"] > 0 and report["same_names"]
+    assert report["max_abs_difference"] <= 1e-10 * report["max_abs_gradient"], report
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    child()
