@@ -54,8 +54,10 @@ class Args(LLMArgs):
     the task's verifiable reward judges. Held-out evaluation always uses the task's reward."""
     beta: float = 0.1
     """DPO's beta, the strength of the (implicit) KL regularisation to the reference; IPO's tau"""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """sigmoid: DPO (Rafailov et al. eq. 7); ipo: IPO (Azar et al.), a squared loss toward a margin of 1 / (2 beta)"""
+    loss_type: Literal["sigmoid", "ipo", "ipo_sum"] = "sigmoid"
+    """sigmoid: DPO (Rafailov et al. eq. 7); ipo: IPO (Azar et al.), a squared loss toward a margin of 1 / (2 beta)
+    on log-ratios averaged over each completion's tokens (as the IPO authors and TRL compute it); ipo_sum: the same
+    on sequence sums, whose gaps grow with length (10-100 at 1k tokens against a target of 5 at beta 0.1)"""
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
     """the schedule after warm-up, to 0 at the last step (linear: a constant rate left the last evaluations of the
     embedded task swinging by up to 10 points)"""
@@ -93,6 +95,13 @@ def implicit_rewards(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, 
     return (beta * (policy_logprobs - ref_logprobs)).chunk(2)
 
 
+def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """log pi(y) as the loss compares it, from token logprobs [2n, C] (0.0 on padding): the sum over the completion's
+    tokens, or for ipo their mean (the IPO authors' and TRL's form: h then stays near 1 / (2 beta) at any length)."""
+    total = logprobs.sum(-1)
+    return total / mask.sum(-1).clamp(min=1) if loss_type == "ipo" else total
+
+
 def dpo_loss(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, preferred: torch.Tensor, beta: float,
              loss_type: str, num_preferred: int) -> torch.Tensor:
     """A micro-batch's share of the mean loss over the batch's preferred pairs (all ranks: `num_preferred`).
@@ -100,10 +109,10 @@ def dpo_loss(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, preferre
     tied pair, which then adds nothing to the loss or its gradient. With
     h = log pi(y_w)/pi_ref(y_w) - log pi(y_l)/pi_ref(y_l), each pair's loss is
     sigmoid: -log sigmoid(beta * h)  (DPO, Rafailov et al. eq. 7);
-    ipo: (h - 1 / (2 beta))^2  (IPO, Azar et al., the sampled-IPO loss with tau = beta)."""
+    ipo, ipo_sum: (h - 1 / (2 beta))^2  (IPO, Azar et al., the sampled-IPO loss with tau = beta)."""
     chosen_log_ratio, rejected_log_ratio = (policy_logprobs - ref_logprobs).chunk(2)
     h = chosen_log_ratio - rejected_log_ratio
-    losses = -F.logsigmoid(beta * h) if loss_type == "sigmoid" else (h - 1 / (2 * beta)) ** 2
+    losses = -F.logsigmoid(beta * h) if loss_type == "sigmoid" else (h - 1 / (2 * beta)) ** 2  # ipo, ipo_sum
     return (losses * preferred).sum() / num_preferred
 
 
@@ -129,8 +138,9 @@ if __name__ == "__main__":
         # ================================ ALGORITHM ================================
         # What the loss receives, per micro-batch of n pairs (common/batching.py):
         #   policy_logprobs [2n] sum over each completion's tokens of log pi_theta(token | prompt, earlier tokens)
-        #   after temperature, with gradient, the n chosen completions first; ref_logprobs [2n] the same under the
-        #   frozen reference (token logprobs are exactly 0.0 on padding, so the sums cover real tokens only);
+        #   at temperature 1 (where DPO's implicit reward is defined, whatever --temperature sampled), with gradient,
+        #   the n chosen completions first (ipo: the mean over its tokens, sequence_logprobs); ref_logprobs [2n] the
+        #   same under the frozen reference (token logprobs are exactly 0.0 on padding, so sums cover real tokens);
         #   preferred [n] 1.0 for a pair, 0.0 for a tie. The loss is the micro-batch's share of the mean over the
         #   preferred pairs of all ranks; FSDP averages gradients over ranks, hence the backward of loss * world_size.
         # --- pairs: best and worst of each prompt's G samples; ties weigh nothing ---
@@ -151,7 +161,7 @@ if __name__ == "__main__":
 
         # --- update: one optimizer step on this batch's pairs, gradient accumulation over micro-batches ---
         train_start = time.time()
-        policy.train()
+        policy.eval()  # dropout off, as in the engine and the reference: every forward sees one network
         # every rank runs as many forwards (FSDP collectives): tied pairs go through too, with weight 0. Everything
         # goes to the device first, so no host-to-device copy in the loop waits on a backward.
         pieces = split(range(len(by_prompt)), max(1, args.micro_batch_size // 2)) if num_preferred else []
@@ -160,17 +170,20 @@ if __name__ == "__main__":
         totals = Totals()
         for batch, micro_preferred in zip(batches, preferred.to(device).split(max(1, args.micro_batch_size // 2))):
             with torch.no_grad():  # the reference, no graph
-                ref_logprobs = token_logprobs(reference, batch, args.temperature).sum(-1)
-            logprobs = token_logprobs(policy, batch, args.temperature)
-            loss = dpo_loss(logprobs.sum(-1), ref_logprobs, micro_preferred, args.beta, args.loss_type, num_preferred)
+                ref_logprobs = token_logprobs(reference, batch, 1.0)
+            logprobs = token_logprobs(policy, batch, 1.0)
+            loss = dpo_loss(sequence_logprobs(logprobs, batch.mask, args.loss_type),
+                            sequence_logprobs(ref_logprobs, batch.mask, args.loss_type), micro_preferred, args.beta,
+                            args.loss_type, num_preferred)
             (loss * world_size).backward()
             with torch.no_grad():  # --- diagnostics: implicit rewards over preferred pairs; engine vs trainer ---
-                chosen_reward, rejected_reward = implicit_rewards(logprobs.sum(-1), ref_logprobs, args.beta)
+                chosen_reward, rejected_reward = implicit_rewards(logprobs.sum(-1), ref_logprobs.sum(-1), args.beta)
                 totals.add({"train/loss": loss, "rewards/chosen": (chosen_reward * micro_preferred).sum(),
                             "rewards/rejected": (rejected_reward * micro_preferred).sum(),
                             "rewards/preference_accuracy": ((chosen_reward > rejected_reward).float()
                                                             * micro_preferred).sum()})
-                totals.add(*mismatch_stats(logprobs, batch.rollout_logprobs, batch.mask, num_pair_tokens))
+                sampled = logprobs if args.temperature == 1 else token_logprobs(policy, batch, args.temperature)
+                totals.add(*mismatch_stats(sampled, batch.rollout_logprobs, batch.mask, num_pair_tokens))
         if num_preferred:
             grad_norm, learning_rate = optimizer_step(policy, optimizer, scheduler, args.max_grad_norm, step)
         else:  # every prompt tied: no gradient at all, and Adam's momentum alone would still move the weights

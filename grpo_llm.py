@@ -191,7 +191,7 @@ if __name__ == "__main__":
 
         # --- update: mu optimizer steps on this batch, gradient accumulation over micro-batches ---
         train_start = time.time()
-        policy.train()
+        policy.eval()  # dropout off, as in the engine and the reference: every forward sees one network
         batches = micro_batches(rollout, split(range(len(rollout.samples)), args.micro_batch_size), run,
                                 args.share_prompts)
         with torch.no_grad():  # pi_old (with mu > 1: before the first of the mu updates) and pi_ref, once per batch

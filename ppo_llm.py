@@ -117,16 +117,24 @@ def check_args(args: Args, world_size: int) -> None:
 
 
 def check_models(args: Args) -> None:
-    """The value model and the reward model must have scalar heads, and the value model must read every token the
-    policy can sample. Reads only configs and stored head shapes, before any model is loaded."""
-    from transformers import AutoConfig
+    """The value model and the reward model must have scalar heads. The value model reads the policy's token ids, so
+    it must have the policy's tokenizer (the same token -> id map) and embed every id the policy can sample; the
+    reward model re-tokenises the decoded text with its own tokenizer, so any tokenizer will do. Reads only configs,
+    tokenizers and stored head shapes, before any model is loaded."""
+    from transformers import AutoConfig, AutoTokenizer
 
     if args.value_model is not None:
         check_scalar_head(args.value_model, "--value-model", must_be_classifier=False)
         try:
             policy_vocab = AutoConfig.from_pretrained(args.model_name_or_path).get_text_config().vocab_size
+            policy_tokens = AutoTokenizer.from_pretrained(args.model_name_or_path).get_vocab()
         except (OSError, ValueError) as error:
             fail(f"cannot load model {args.model_name_or_path!r}: {error}")
+        value_tokens = AutoTokenizer.from_pretrained(args.value_model).get_vocab()
+        if value_tokens != policy_tokens:
+            fail(f"--value-model {args.value_model!r} has another tokenizer than the policy ({len(value_tokens)} "
+                 f"tokens, the policy {len(policy_tokens)}, {len(value_tokens.items() ^ policy_tokens.items())} "
+                 "(token, id) pairs not shared): it would read the policy's token ids as other tokens")
         value_vocab = AutoConfig.from_pretrained(args.value_model).get_text_config().vocab_size
         if value_vocab < policy_vocab:
             fail(f"--value-model {args.value_model!r} has a vocabulary of {value_vocab} tokens, the policy "
@@ -152,7 +160,7 @@ def predicted_values(value_model: torch.nn.Module, batch: object) -> torch.Tenso
     """V(prompt + completion[:j]) for every completion position j, [B, C] float32: the output at the column just
     before completion token j, the state in which that token was chosen."""
     logits = value_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                         position_ids=batch.position_ids).logits
+                         position_ids=batch.position_ids, use_cache=False).logits
     return logits[:, completion_columns(batch), 0].float()
 
 
@@ -291,7 +299,7 @@ if __name__ == "__main__":
         #   hence the backward of loss * world_size.
         # --- one pass without gradients, in order: pi_old and its entropy, pi_ref, V_old ---
         train_start = time.time()
-        policy.eval()  # dropout off (N+ details): pi_old, V_old and every update see the same deterministic network
+        policy.eval()  # dropout off, as in the engine and the reference: every forward sees one network (N+ details)
         value_model.eval()
         num_samples, completions = len(rollout.samples), rollout.completions
         width = max(1, max(map(len, completions)))

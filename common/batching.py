@@ -190,7 +190,7 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     columns = (torch.arange(batch.first_predictor, batch.input_ids.shape[1], device=batch.input_ids.device) if packed
                else completion_columns(batch))
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   logits_to_keep=columns).logits
+                   logits_to_keep=columns, use_cache=False).logits  # no KV cache: nothing decodes after this forward
     targets = batch.packed_targets[:, batch.first_predictor:] if packed else batch.completion_ids
     logprobs = _ChosenTokenLogprob.apply(logits, targets, temperature)
     entropy = _chunked_entropy(logits, temperature) if with_entropy else None

@@ -29,7 +29,7 @@ from common.determinism import (
 )
 from common.distributed import fail, init_distributed
 from common.models import stream_weights
-from common.rollout import Sample, make_engine, sample_seed
+from common.rollout import Sample, engine_kind, make_engine, sample_seed
 from common.scoring import RewardModel, decode_completion, evaluate, task_scores
 from common.tasks import Example, Task, make_task
 from common.tracking import RunTracker, get_logger
@@ -63,6 +63,7 @@ class LLMArgs:
     # --- memory: micro-batches and FSDP2 ---
     micro_batch_size: int = 256  # completions per forward/backward per rank; about 8 for Qwen2.5-0.5B at 1k tokens
     reshard_after_forward: bool = False  # FSDP2: gather each block again for backward (least memory: 1B+ models)
+    gradient_checkpointing: bool = False  # keep only each block's input for backward, recompute the rest
     # --- rollout engine ---
     rollout_engine: Literal["auto", "vllm", "hf"] = "auto"  # `auto` = vLLM when installed, else transformers
     vllm_tp: int = 1  # tensor-parallel size of each vLLM engine (groups of contiguous ranks)
@@ -81,8 +82,8 @@ class LLMArgs:
 
 # Arguments a resumed run may change: where and how it reports, not what it computes.
 MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "eval_every",
-                        "num_eval_prompts", "save_every", "keep_last", "rollout_engine", "vllm_kv_cache_memory_bytes",
-                        "vllm_gpu_memory_utilization")
+                        "num_eval_prompts", "save_every", "keep_last", "vllm_kv_cache_memory_bytes",
+                        "vllm_gpu_memory_utilization")  # not the engine: vLLM and transformers draw other samples
 
 
 def check_llm_args(args: LLMArgs, world_size: int) -> None:
@@ -145,6 +146,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
 
     transformers_logging.disable_progress_bar()  # a weight-loading bar per model and rank, interleaved
     determinism = seed_everything(args.seed, args.deterministic)
+    args.rollout_engine = engine_kind(args.rollout_engine)  # recorded and compared on resume as the engine that ran
     rank, world_size, device = init_distributed()
     resume_dir, resume_state = read_training_state(args, world_size, MAY_CHANGE_ON_RESUME) if args.resume else \
         (None, None)

@@ -4,6 +4,7 @@ state 56 GB more, so no rank holds the whole model: weights leave the shards SYN
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,24 +26,67 @@ SYNC_BUCKET_BYTES = 256 * 2**20  # full tensors held at once while streaming wei
 
 def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool = True, model_class: object = None
                ) -> torch.nn.Module:
-    """A HF model with float32 master weights, sharded with FSDP2 per transformer block (the classes in the model's
-    `_no_split_modules`, e.g. Qwen2DecoderLayer) and at the root; computes in `args.dtype`, reduces in float32."""
+    """A HF model sharded with FSDP2 per transformer block (the classes in the model's `_no_split_modules`, e.g.
+    Qwen2DecoderLayer) and at the root, computing in `args.dtype` and reducing gradients in float32. Trained models
+    keep float32 master weights; frozen ones (reference, reward model) hold their weights in `args.dtype`.
+
+    Memory at 7B (7.6B parameters): only rank 0 reads the checkpoint, into host memory in float32 (30 GB, once per
+    job); every rank builds the model on the meta device (no memory), shards it, allocates its own shard (30 GB / N
+    in float32) and receives its slice of each tensor by broadcast, one full tensor on the device at a time (the
+    embedding, 2.2 GB, is the largest). Loading every rank's full copy first would have taken 8 x 30 GB of host memory
+    per node and a transient 30 GB on every GPU. Buffers (rotary tables) come from rank 0's copy too, so all ranks and
+    today's plain `from_pretrained` agree bit for bit. With `args.gradient_checkpointing` a trained model's blocks
+    keep only their inputs for backward and recompute the rest. Exports store the checkpoint's own dtype
+    (`config.dtype`; `args.dtype` when the checkpoint names none)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32).to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, args.dtype), reduce_dtype=torch.float32)
+    compute_dtype = getattr(torch, args.dtype)
+    source = shape = None
+    if dist.get_rank() == 0:
+        stored_dtype = AutoConfig.from_pretrained(path).dtype
+        source = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
+        shape = (type(source), source.config, stored_dtype or compute_dtype)
+    model_type, config, export_dtype = _broadcast_object(shape)
+    with torch.device("meta"):
+        model = model_type._from_config(config, dtype=torch.float32)
+    model.config.dtype = export_dtype  # what export_pretrained writes (building set it to the masters' float32)
+    if not trainable:  # frozen: half the memory in bfloat16; buffers stay float32 as built
+        for parameter in model.parameters():
+            parameter.data = parameter.data.to(compute_dtype)
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
+    if trainable and args.gradient_checkpointing:  # around the block's forward, inside the FSDP hooks that gather it
+        for block in blocks:
+            block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # a frozen model never runs the backward that would reshard it: kept gathered, it would hold a full copy all run
     reshard_after_forward = args.reshard_after_forward or not trainable
-    for block in [m for m in model.modules() if type(m).__name__ in block_classes]:
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    model.to_empty(device=device)
+    set_model_state_dict(model, source.state_dict() if source is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source_buffers = dict(source.named_buffers()) if source is not None else {}
+    for name, buffer in model.named_buffers():  # the rotary tables are not in a state dict
+        if source is not None:
+            buffer.copy_(source_buffers[name])
+        dist.broadcast(buffer, src=0)
+    model.eval()  # no dropout anywhere: the engine and the reference have none
     if not trainable:
-        model.eval().requires_grad_(False)
+        model.requires_grad_(False)
     return model
+
+
+def _broadcast_object(value: object) -> object:
+    """Rank 0's `value` on every rank (a collective)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def learning_rate_factor(update: int, warmup_steps: int, total_updates: int, schedule: str) -> float:
@@ -71,11 +115,16 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    ) -> tuple[float, float]:
     """Clip by the global gradient norm, step, advance the schedule, free the gradients (before the engine wakes); a
     non-finite norm (the same on every rank) stops the run before the weights change. Returns norm and rate used."""
+    from torch.distributed.fsdp import FSDPModule
+
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     if not math.isfinite(grad_norm):
         fail(f"non-finite gradient at step {step} (grad norm {grad_norm}); the last checkpoint is left as it was")
     learning_rate = scheduler.get_last_lr()[0]
+    for module in model.modules():  # a forward without gradient after the last backward leaves blocks gathered, and
+        if isinstance(module, FSDPModule):  # the next forward would reuse that copy of the old weights: drop it
+            module.reshard()
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

@@ -177,12 +177,15 @@ class HFEngine:
         """Nothing to tear down."""
 
 
+def engine_kind(kind: str) -> str:
+    """`auto` resolved: vLLM when it is installed, else the `transformers` fallback."""
+    return ("vllm" if importlib.util.find_spec("vllm") else "hf") if kind == "auto" else kind
+
+
 def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
                 kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> VLLMEngine | HFEngine:
     """`auto` picks vLLM when it is installed, else the `transformers` fallback."""
-    if kind == "auto":
-        kind = "vllm" if importlib.util.find_spec("vllm") else "hf"
-    if kind == "vllm":
+    if engine_kind(kind) == "vllm":
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's info lines stay out of our log
         vllm_log = logging.getLogger("vllm")  # its warnings and errors: one handler, without the notices below
         if not vllm_log.handlers:

@@ -84,7 +84,8 @@ class RewardModel:
             width = max(map(len, rows))
             mask = _pack([[1] * len(row) for row in rows], width, 0, torch.long, left=True).to(self.device)
             logits = self.model(input_ids=_pack(rows, width, self.pad_id, torch.long, left=True).to(self.device),
-                                attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+                                attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                                use_cache=False).logits
             scores.append(logits[:, 0].float().cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 

@@ -58,3 +58,14 @@ def grpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     check(result)
     (run_root / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, beside its directory
     return only_run_dir(run_root)
+
+
+def dropout_model(directory: Path) -> Path:
+    """The embedded model with attention dropout 0.3, saved with its tokenizer: a forward left in train mode would
+    drop attention weights, and its logprobs would leave the engine's by far more than kernel rounding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "assets" / "tiny-adder", attention_dropout=0.3)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(ROOT / "assets" / "tiny-adder").save_pretrained(directory)
+    return directory

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, accuracy_windows, check, only_run_dir, read_metrics, run_script
+from conftest import ROOT, accuracy_windows, check, dropout_model, only_run_dir, read_metrics, run_script
 
-from dpo_online import Args, check_args, dpo_loss, implicit_rewards, preference_pairs
+from dpo_online import Args, check_args, dpo_loss, implicit_rewards, preference_pairs, sequence_logprobs
 
 # 2 ranks x 8 prompts x 4 samples, pairs in micro-batches of 4 (2 per rank per micro-batch), a checkpoint at step 2
 SMALL_DPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "8", "--num-eval-prompts",
@@ -55,6 +55,23 @@ def test_ipo_loss_by_hand():
     assert loss.item() == pytest.approx((0.0 + 4.0) / 2)
     loss = dpo_loss(POLICY, REFERENCE, torch.ones(2), beta=0.5, loss_type="ipo", num_preferred=2)
     assert loss.item() == pytest.approx((1.0 + 1.0) / 2)
+
+
+def test_ipo_compares_per_token_means_and_ipo_sum_sequence_sums():
+    # a 3-token and a 1-token completion (padding is 0.0 in token logprobs, and 0 in the mask)
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert sequence_logprobs(logprobs, mask, "ipo").tolist() == [-2.0, -0.5]
+    assert sequence_logprobs(logprobs, mask, "ipo_sum").tolist() == [-6.0, -0.5]
+    assert sequence_logprobs(logprobs, mask, "sigmoid").tolist() == [-6.0, -0.5]
+    # a 1,000-token pair whose log-ratios differ by 0.01 nats per token: h = 0.01 per token for ipo, 10 for ipo_sum,
+    # against IPO's target 1 / (2 beta) = 5 at beta 0.1
+    policy = torch.cat([torch.full((1, 1000), -1.0), torch.full((1, 1000), -1.01)])
+    reference, long_mask = torch.full((2, 1000), -1.0), torch.ones(2, 1000)
+    for loss_type, h in (("ipo", 0.01), ("ipo_sum", 10.0)):
+        loss = dpo_loss(sequence_logprobs(policy, long_mask, loss_type), sequence_logprobs(reference, long_mask,
+                        loss_type), torch.ones(1), beta=0.1, loss_type=loss_type, num_preferred=1)
+        assert loss.item() == pytest.approx((h - 5.0) ** 2, rel=1e-4)
 
 
 def test_sigmoid_gradient_by_hand():
@@ -150,14 +167,22 @@ def test_resume_equals_uninterrupted_run(dpo_reference_run: Path, tmp_path: Path
 
 
 def test_plain_python_with_the_hf_engine(tmp_path: Path):
-    """One process, no torchrun, the transformers fallback engine; micro-batches of 3 pairs: 3 + 3 + 2."""
+    """One process, no torchrun, the transformers fallback engine; micro-batches of 3 pairs: 3 + 3 + 2. A model with
+    attention dropout 0.3, sampled at temperature 0.7, with the IPO loss: every forward runs without dropout (at step 1
+    the policy's log-ratio to the reference is 0, and the trainer's logprobs at the sampling temperature equal the
+    engine's up to rounding) while the loss reads temperature-1 logprobs."""
+    model = dropout_model(tmp_path / "dropout-adder")
     result = run_script("dpo_online.py", [*SMALL_DPO, "--total-steps", "2", "--save-every", "0", "--rollout-engine",
-                                          "hf", "--micro-batch-size", "6", "--run-root", str(tmp_path)])
+                                          "hf", "--micro-batch-size", "6", "--model-name-or-path", str(model),
+                                          "--temperature", "0.7", "--loss-type", "ipo", "--run-root",
+                                          str(tmp_path / "runs")])
     check(result)
     assert "HFEngine" in result.stdout
-    metrics = read_metrics(only_run_dir(tmp_path))
+    metrics = read_metrics(only_run_dir(tmp_path / "runs"))
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert all(m["mismatch/logprob_abs_diff_max"] < 1e-3 and math.isfinite(m["train/loss"]) for m in metrics[1:])
+    assert abs(metrics[1]["rewards/chosen"]) < 1e-6 and abs(metrics[1]["rewards/rejected"]) < 1e-6
+    assert metrics[1]["train/loss"] == pytest.approx((1 / (2 * 0.1)) ** 2)  # IPO at h = 0: (0 - 1 / (2 beta))^2
 
 
 def tiny_classifier(directory: Path, num_labels: int = 1) -> Path:

@@ -1,13 +1,18 @@
 """GPU mechanisms reproduced on CPU, where CI can run them.
 
+Sharded loading (common/models.py): only rank 0 reads the checkpoint, the others build the model on the meta device
+and receive their shards by broadcast; checked at world size 2 against a plain `from_pretrained`, bit for bit.
+
 vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, which --deterministic sets on GPUs) registers its own kernels for
 aten::mm, addmm, bmm, matmul and linear on compute capability 8.x, for the whole process the trainer shares. Here the
 same registrations go to the CPU key, in a child process (the dispatcher is process-wide), with kernels written from
 elementwise products and sums so that they call none of the ops they replace."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from conftest import ROOT
@@ -87,6 +92,80 @@ def child() -> None:
         "max_abs_gradient": max(g.abs().max().item() for g in reference.values())}))
 
 
+def sharded_loading_child(directory: str) -> None:
+    """Under torchrun: the policy (float32 masters), a frozen copy in bfloat16, a value model with a fresh head, each
+    compared with `from_pretrained` on every rank; then a bfloat16 checkpoint trained one step and exported."""
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from test_llm import TINY
+    from transformers import AutoModelForCausalLM
+
+    from common.batching import make_batch, token_logprobs
+    from common.determinism import parameter_hash
+    from common.distributed import init_distributed
+    from common.llm_run import LLMArgs
+    from common.models import export_pretrained, load_model
+    from ppo_llm import ValueModel
+
+    rank = init_distributed()[0]
+    cpu, report = torch.device("cpu"), {}
+    plain = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    policy = load_model(str(TINY), LLMArgs(), cpu)
+    report["policy"] = parameter_hash(policy) == parameter_hash(plain)
+    report["buffers"] = all(torch.equal(buffer, dict(plain.named_buffers())[name])
+                            for name, buffer in policy.named_buffers())
+    frozen = load_model(str(TINY), LLMArgs(dtype="bfloat16"), cpu, trainable=False)
+    report["frozen_dtypes"] = sorted({str(p.dtype) for p in frozen.parameters()})
+    report["frozen"] = parameter_hash(frozen) == parameter_hash({n: t.to(torch.bfloat16)
+                                                                 for n, t in plain.state_dict().items()})
+    torch.manual_seed(5)
+    value_model = load_model(str(TINY), LLMArgs(), cpu, model_class=ValueModel)
+    torch.manual_seed(5)
+    report["value_model"] = parameter_hash(value_model) == parameter_hash(ValueModel.from_pretrained(
+        str(TINY), dtype=torch.float32))
+    # a checkpoint stored in bfloat16 trains on float32 masters and is exported in bfloat16 again
+    stored = Path(directory) / "bf16-adder"
+    if rank == 0:
+        plain.to(torch.bfloat16).save_pretrained(stored)
+    dist.barrier()
+    model = load_model(str(stored), LLMArgs(), cpu)
+    report["master_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    batch = make_batch([[3, 4, 12]], [[9, 10, 1]], 0, cpu)
+    token_logprobs(model, batch, 1.0).sum().backward()
+    exported = Path(directory) / "exported"
+    exported.mkdir(exist_ok=True)
+    full = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
+    export_pretrained(model, plain_tokenizer(), exported)
+    if rank == 0:
+        with safe_open(exported / "model.safetensors", "pt") as tensors:
+            report["exported_dtypes"] = sorted({str(tensors.get_tensor(k).dtype) for k in tensors.keys()})
+            report["exported_values"] = all(torch.equal(tensors.get_tensor(k), full[k].to(torch.bfloat16))
+                                            for k in tensors.keys())
+        report["exported_config_dtype"] = json.loads((exported / "config.json").read_text())["dtype"]
+        print(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def plain_tokenizer() -> object:
+    from test_llm import TINY
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY)
+
+
+def test_sharded_loading_at_world_size_2_equals_from_pretrained(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             __file__, "load", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["policy"] and report["buffers"] and report["value_model"], report
+    assert report["frozen"] and report["frozen_dtypes"] == ["torch.bfloat16"], report
+    assert report["master_dtypes"] == ["torch.float32"], report
+    assert report["exported_dtypes"] == ["torch.bfloat16"] and report["exported_values"], report
+    assert report["exported_config_dtype"] == "bfloat16", report
+
+
 def test_training_under_vllm_sm8x_overrides_reroutes_autograd_and_keeps_the_gradients():
     result = subprocess.run([sys.executable, __file__], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -103,4 +182,4 @@ def test_training_under_vllm_sm8x_overrides_reroutes_autograd_and_keeps_the_grad
 
 if __name__ == "__main__":
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    child()
+    sharded_loading_child(sys.argv[2]) if sys.argv[1:2] == ["load"] else child()

@@ -184,6 +184,19 @@ def tiny_classifiers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     paths["small_vocab"] = root / "small_vocab"
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY, vocab_size=8)).save_pretrained(
         paths["small_vocab"])
+    tokenizer.save_pretrained(paths["small_vocab"])
+    # the policy's shapes and vocabulary size, but another token -> id map (two ids swapped): a Llama value model
+    # beside a Qwen policy in small
+    paths["other_tokenizer"] = root / "other_tokenizer"
+    AutoModelForCausalLM.from_pretrained(TINY).save_pretrained(paths["other_tokenizer"])
+    vocabulary = json.loads((TINY / "tokenizer.json").read_text())
+    tokens = vocabulary["model"]["vocab"]
+    first, second = list(tokens)[3:5]
+    tokens[first], tokens[second] = tokens[second], tokens[first]
+    (paths["other_tokenizer"] / "tokenizer.json").write_text(json.dumps(vocabulary))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (TINY / name).exists():
+            (paths["other_tokenizer"] / name).write_text((TINY / name).read_text())
     return paths
 
 
@@ -325,6 +338,7 @@ def test_reward_model_path_with_a_tiny_classifier(tiny_classifiers: dict[str, Pa
 
 MODEL_ARGS = {"bad_head": ("value_model", "its score head is [1, 64], but its hidden size is 128"),
               "small_vocab": ("value_model", "has a vocabulary of 8 tokens, the policy 15"),
+              "other_tokenizer": ("value_model", "has another tokenizer than the policy (15 tokens, the policy 15, 4"),
               "two_labels": ("reward_model", "has 2 labels; it must have exactly one"),
               "tiny-adder": ("reward_model", "is not a sequence classifier")}
 
