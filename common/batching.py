@@ -5,12 +5,16 @@
 exactly 0.0 wherever `batch.mask` is 0 (padding), so an exp of a difference never overflows there.
 `batch.rollout_logprobs` holds the engine's logprobs of the same tokens, laid out alike.
 
-Sizes that decided the design, for Qwen2.5-0.5B (vocabulary V = 151,936), micro-batches of 8 rows of 512 prompt +
-1,024 completion tokens:
+Sizes that decided the design, for Qwen2.5-0.5B (hidden H = 896, vocabulary V = 151,936), micro-batches of 8 rows
+of 512 prompt + 1,024 completion tokens:
 - logits at every position in float32 plus three float32 copies (cast, / T, log_softmax) would be
-  4 x 8 x 1,536 x V x 4 B = 30 GB. Logits are kept only where they predict completion tokens, in the compute dtype
-  (8 x 1,024 x V x 2 B = 2.5 GB in bfloat16, as much again for their gradient), and turned into float32 CHUNK_ROWS
-  rows at a time (256 x V x 4 B = 156 MB per temporary).
+  4 x 8 x 1,536 x V x 4 B = 30 GB; the HF head's bf16 logits at the completion positions alone 8 x 1,024 x V x 2 B =
+  2.5 GB, as much again for their gradient, and rounded to bf16 (up to 0.06 nats off at |logit| 16-32). So the model
+  runs up to its final hidden states, and the head runs inside `_ChosenTokenLogprob` in float32 on the rows that
+  predict a real token, CHUNK_ROWS at a time: 256 x V x 4 B = 156 MB per float32 temporary (three at once in
+  backward), plus in backward a float32 copy of a bf16 head and its float32 gradient (V x H x 4 B = 0.54 GB each;
+  2.2 GB at 7B, H = 3,584). The hidden states it keeps are 8 x 1,024 x H x 2 B = 15 MB. The backward recomputes each
+  chunk's logits: one more head matmul, about 9% of a 0.5B model's training FLOPs.
 - shared prompts (GRPO's G samples of a prompt in one packed row) save the prompt's G - 1 repeats, but attention
   then spans the packed row: at 512 + 8 x 1,025 tokens, 8,712^2 = 76M query-key pairs per row (a 76 MB boolean
   mask, and no FlashAttention) against 8 x 1,536^2 / 2 = 9.4M causal pairs for 8 padded rows. It pays for short
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK_ROWS = 256  # rows of the [rows, V] logits turned into float32 at a time
+CHUNK_ROWS = 256  # rows of float32 [rows, V] logits computed at a time
 
 
 @dataclass
@@ -127,51 +131,63 @@ def _packed_batch(prompts: list[list[int]], completions: list[list[int]], pad_id
                       first_predictor)
 
 
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """hidden [rows, H] @ weight [V, H]^T in `dtype` (float32, or float64 for exactness checks). On CUDA a bf16
+    weight is multiplied as stored with float32 output (cuBLAS accumulates in float32), so no float32 copy of it
+    is made; elsewhere both operands are cast."""
+    if hidden.is_cuda and weight.dtype != dtype:
+        return torch.mm(hidden, weight.t(), out_dtype=dtype)
+    return hidden.to(dtype) @ weight.to(dtype).t()
+
+
 class _ChosenTokenLogprob(torch.autograd.Function):
-    """log softmax(logits / T)[token] and its gradient, chunk by chunk, never holding a float32 [rows, V] tensor
-    beyond CHUNK_ROWS rows: forward keeps only logsumexp per row; backward recomputes softmax per chunk. Computed in
-    float32 (float64 for float64 logits, for exactness checks)."""
+    """log softmax(hidden @ W^T / T)[token] per row and its gradient, from the final hidden states of the rows that
+    predict a token: the LM head itself runs here, in float32, CHUNK_ROWS rows at a time, so neither [rows, V]
+    logits in the compute dtype nor a float32 [rows, V] tensor beyond one chunk ever exists. Forward keeps only the
+    logsumexp per row; backward recomputes each chunk's logits (one more head matmul) for both gradients."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-        flat, chosen = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
-        out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32),
-                          device=logits.device)
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature: float
+                ) -> torch.Tensor:
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
         logsumexp = torch.empty_like(out)
-        for start in range(0, flat.shape[0], CHUNK_ROWS):
-            part = flat[start:start + CHUNK_ROWS].to(out.dtype) / temperature
-            logsumexp[start:start + CHUNK_ROWS] = torch.logsumexp(part, dim=-1)
-            out[start:start + CHUNK_ROWS] = (part.gather(-1, chosen[start:start + CHUNK_ROWS, None])[:, 0]
-                                             - logsumexp[start:start + CHUNK_ROWS])
-        ctx.save_for_backward(logits, tokens, logsumexp)
+        for start in range(0, hidden.shape[0], CHUNK_ROWS):
+            rows = slice(start, start + CHUNK_ROWS)
+            logits = _head_logits(hidden[rows], weight, dtype) / temperature
+            logsumexp[rows] = torch.logsumexp(logits, dim=-1)
+            out[rows] = logits.gather(-1, tokens[rows, None])[:, 0] - logsumexp[rows]
+        ctx.save_for_backward(hidden, weight, tokens, logsumexp)
         ctx.temperature = temperature
-        return out.view(tokens.shape)
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, tokens, logsumexp = ctx.saved_tensors
-        flat, chosen, grad_flat = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), grad_out.reshape(-1)
-        grad = torch.empty_like(flat)
-        vocabulary = torch.arange(flat.shape[-1], device=flat.device)
-        for start in range(0, flat.shape[0], CHUNK_ROWS):
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        hidden, weight, tokens, logsumexp = ctx.saved_tensors
+        dtype = logsumexp.dtype
+        weight_full = weight.to(dtype)  # a float32 copy of a bf16 head while the backward runs (0.5B: 0.54 GB)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight_full)
+        vocabulary = torch.arange(weight.shape[0], device=hidden.device)
+        for start in range(0, hidden.shape[0], CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
-            probs = torch.exp(flat[rows].to(logsumexp.dtype) / ctx.temperature - logsumexp[rows, None])
-            onehot = vocabulary[None, :] == chosen[rows, None]  # a comparison, not a scatter: deterministic on GPUs
-            grad[rows] = (torch.where(onehot, 1 - probs, -probs) * (grad_flat[rows, None] / ctx.temperature)
-                          ).to(grad.dtype)
-        return grad.view_as(logits), None, None
+            probs = torch.exp(_head_logits(hidden[rows], weight, dtype) / ctx.temperature - logsumexp[rows, None])
+            onehot = vocabulary[None, :] == tokens[rows, None]  # a comparison, not a scatter: deterministic on GPUs
+            grad_logits = torch.where(onehot, 1 - probs, -probs) * (grad_out[rows, None] / ctx.temperature)
+            grad_hidden[rows] = (grad_logits @ weight_full).to(hidden.dtype)
+            grad_weight += grad_logits.t() @ hidden[rows].to(dtype)  # chunks in a fixed order: deterministic
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
 
 
 @torch.no_grad()
-def _chunked_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of softmax(logits / T) per row, CHUNK_ROWS rows of float32 at a time (a statistic: no gradient)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
-    for start in range(0, flat.shape[0], CHUNK_ROWS):
-        part = flat[start:start + CHUNK_ROWS].to(out.dtype) / temperature
-        logsumexp = torch.logsumexp(part, dim=-1)
-        out[start:start + CHUNK_ROWS] = logsumexp - (torch.softmax(part, dim=-1) * part).sum(-1)
-    return out.view(logits.shape[:-1])
+def _chunked_entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of softmax(hidden @ W^T / T) per row, CHUNK_ROWS rows of float32 logits at a time (no gradient)."""
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+    for start in range(0, hidden.shape[0], CHUNK_ROWS):
+        logits = _head_logits(hidden[start:start + CHUNK_ROWS], weight, dtype) / temperature
+        out[start:start + CHUNK_ROWS] = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    return out
 
 
 def completion_columns(batch: TokenBatch) -> torch.Tensor:
@@ -185,21 +201,39 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(completion token | everything before it) under softmax(logits / T): [B, C] float32, 0.0 under the mask
     (and, `with_entropy`, the entropy of that distribution at each completion position, detached, 0.0 likewise).
-    Logits are computed only for the columns that predict completion tokens (`logits_to_keep`)."""
+    The model runs up to its final hidden states; its LM head then runs in float32 on the rows that predict a real
+    completion token only (no prompt or padding positions, in either layout), inside the model's forward, where FSDP
+    has gathered the head's weight: its `forward` is swapped for the chosen-token computation for that one call."""
     packed = batch.gather_index is not None  # every kept packed column predicts the next token of its segment
     columns = (torch.arange(batch.first_predictor, batch.input_ids.shape[1], device=batch.input_ids.device) if packed
                else completion_columns(batch))
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   logits_to_keep=columns, use_cache=False).logits  # no KV cache: nothing decodes after this forward
     targets = batch.packed_targets[:, batch.first_predictor:] if packed else batch.completion_ids
-    logprobs = _ChosenTokenLogprob.apply(logits, targets, temperature)
-    entropy = _chunked_entropy(logits, temperature) if with_entropy else None
-    if packed:  # back to one row per completion
-        logprobs = logprobs.reshape(-1)[batch.gather_index]
-        entropy = entropy.reshape(-1)[batch.gather_index] if with_entropy else None
-    padding = batch.mask == 0  # packed: another token's logprob there; padded: a prediction of a pad token
-    logprobs = logprobs.masked_fill(padding, 0.0)
-    return (logprobs, entropy.masked_fill(padding, 0.0)) if with_entropy else logprobs
+    real = batch.mask.reshape(-1) > 0  # [B * C]: the positions of the result that hold a real token
+    rows = batch.gather_index.reshape(-1)[real] if packed else real.nonzero()[:, 0]  # into the kept [., columns]
+    head, entropy = model.get_output_embeddings(), {}
+
+    def chosen_token_head(hidden: torch.Tensor) -> torch.Tensor:  # [rows, columns, H] -> [N] logprobs
+        hidden = hidden.reshape(-1, hidden.shape[-1])[rows]
+        if with_entropy:
+            entropy["rows"] = _chunked_entropy(hidden.detach(), head.weight.detach(), temperature)
+        return _ChosenTokenLogprob.apply(hidden, head.weight, targets.reshape(-1)[rows], temperature)
+
+    head.forward = chosen_token_head
+    try:
+        chosen = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                       logits_to_keep=columns, use_cache=False).logits  # no KV cache: nothing decodes afterwards
+    finally:
+        del head.forward
+
+    def unpack(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, C], exactly 0.0 where the mask is 0
+        return torch.cat([values, values.new_zeros(1)])[_scatter_index(real)].view(batch.mask.shape)
+
+    return (unpack(chosen), unpack(entropy["rows"])) if with_entropy else unpack(chosen)
+
+
+def _scatter_index(real: torch.Tensor) -> torch.Tensor:
+    """For each position: its rank among the real positions, or the number of them (a trailing zero) if padding."""
+    return torch.where(real, real.long().cumsum(0) - 1, int(real.sum()))
 
 
 def mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -44,9 +44,14 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     from transformers import AutoConfig, AutoModelForCausalLM
 
     compute_dtype = getattr(torch, args.dtype)
+    text_config = AutoConfig.from_pretrained(path).get_text_config()
+    if model_class is None and (getattr(text_config, "final_logit_softcapping", None)
+                                or getattr(text_config, "logit_scale", 1.0) not in (None, 1.0)):
+        fail(f"{path}: the model transforms its logits after the LM head (soft cap or scale), which token_logprobs "
+             "replaces by its own float32 head; not supported")
     source = shape = None
     if dist.get_rank() == 0:
-        stored_dtype = AutoConfig.from_pretrained(path).dtype
+        stored_dtype = text_config.dtype
         source = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
         shape = (type(source), source.config, stored_dtype or compute_dtype)
     model_type, config, export_dtype = _broadcast_object(shape)

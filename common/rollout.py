@@ -56,7 +56,7 @@ class VLLMEngine:
             model=model_path, dtype=dtype, seed=rank // tp, tensor_parallel_size=tp,
             distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
             max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=device.type == "cpu",
-            use_tqdm_on_load=False, **memory,
+            use_tqdm_on_load=False, hf_overrides={"head_dtype": "float32"}, **memory,  # logits as the trainer's
         )  # eager on CPU: compiling costs more start-up time than it saves on small models
         self.sleeps = device.type == "cuda"  # sleep mode is CUDA-only
         # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
