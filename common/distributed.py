@@ -15,12 +15,15 @@ import torch.distributed as dist
 # separate gloo group with this timeout instead of the default group's.
 SAVE_TIMEOUT = datetime.timedelta(hours=2)
 _save_group: dist.ProcessGroup | None = None
+# The NCCL_* variables when the default group's communicator was created (eagerly, with device_id): NCCL reads most
+# of them once, at the process's first communicator, so the trainer keeps these even after vLLM pins its own.
+_nccl_env_at_init: dict[str, str] = {}
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join (or, under plain python, create: a world of one, so the same collectives run either way) the process
     group. Returns (rank, world_size, device)."""
-    global _save_group
+    global _save_group, _nccl_env_at_init
     if "RANK" not in os.environ:
         with socket.socket() as probe:  # a free port for the single-process group
             probe.bind(("127.0.0.1", 0))
@@ -31,9 +34,22 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        _nccl_env_at_init = nccl_env()
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", device_id=device if cuda else None)
         _save_group = dist.new_group(backend="gloo", timeout=SAVE_TIMEOUT)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def nccl_env() -> dict[str, str]:
+    return {key: value for key, value in sorted(os.environ.items()) if key.startswith("NCCL_")}
+
+
+def nccl_record() -> dict[str, object]:
+    """For the manifest: the NCCL settings the trainer's communicator was created with, those in force now (after
+    vLLM started and pinned its own for its communicators), and NCCL's version."""
+    version = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+    return {"trainer_communicator": _nccl_env_at_init, "after_engine_start": nccl_env(),
+            "version": ".".join(map(str, version)) if isinstance(version, tuple) else version}
 
 
 def save_group() -> dist.ProcessGroup:

@@ -27,7 +27,7 @@ from common.determinism import (
     seed_everything,
     seed_rngs,
 )
-from common.distributed import fail, init_distributed
+from common.distributed import fail, init_distributed, nccl_record
 from common.models import stream_weights
 from common.rollout import Sample, engine_kind, make_engine, sample_seed
 from common.scoring import RewardModel, decode_completion, evaluate, task_scores
@@ -199,7 +199,8 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     runner = getattr(engine, "model_runner", None)
     tracker = RunTracker(args, run.rank, run.world_size,
                          {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
-                          "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted},
+                          "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted,
+                          "nccl": nccl_record()},
                          run.resume_dir, start_step)
     log = get_logger(run.rank)
     if runner == "v1" and run.device.type == "cuda":

@@ -147,6 +147,8 @@ def test_end_to_end_torchrun_vllm(grpo_reference_run: Path):
     assert manifest["determinism"]["vllm_model_runner"] in ("v1", "v2")
     # vLLM-CPU overrides no aten kernel (on GPUs of SM 8.x it does, and linear / matmul get rerouted)
     assert manifest["determinism"]["kernel_overrides"] == [] and manifest["determinism"]["autograd_rerouted"] == []
+    # what the trainer's communicator was created with (seed_everything's NCCL_ALGO), recorded apart from vLLM's pins
+    assert manifest["determinism"]["nccl"]["trainer_communicator"]["NCCL_ALGO"] == "Ring"
     assert "git_commit" in manifest and "git_dirty" in manifest
     # the software: `make install` installs requirements-cpu.lock.txt exactly, and the manifest says so
     lock = manifest["lock"]
