@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
-from common.batching import mismatch_stats, token_logprobs
+from common.batching import PACKED_ATTENTION, mismatch_stats, token_logprobs
 from common.distributed import Totals, fail, reduce_stats
 from common.llm_run import (
     LLMArgs,
@@ -67,8 +67,8 @@ class Args(LLMArgs):
     """truncated importance sampling: weight tokens by min(pi_old / pi_rollout, cap); 0 turns it off"""
     share_prompts: bool = True
     """the G completions of a prompt share one forward of the prompt (one packed row, block attention mask): same
-    values, fewer tokens. Attention then spans the whole packed row and cannot use FlashAttention, so turn it off
-    (`--no-share-prompts`) for long completions on GPUs"""
+    values, fewer tokens. Attention then spans the whole packed row (FlexAttention's block-sparse kernel on GPUs),
+    so it pays for short completions; measure before keeping it for long ones"""
 
 
 def check_args(args: Args, world_size: int) -> None:
@@ -161,8 +161,11 @@ if __name__ == "__main__":
     rank, world_size, device = run.rank, run.world_size, run.device
 
     # --- models: the policy and, with --beta > 0, the frozen reference (the run's starting model, also on resume)
-    policy = load_model(args.model_name_or_path, args, device)
-    reference = load_model(args.model_name_or_path, args, device, trainable=False) if args.beta > 0 else None
+    # packed rows (--share-prompts) attend through FlexAttention's block mask on GPUs, through SDPA on CPU
+    attention = PACKED_ATTENTION if args.share_prompts and device.type == "cuda" else "sdpa"
+    policy = load_model(args.model_name_or_path, args, device, attn_implementation=attention)
+    reference = load_model(args.model_name_or_path, args, device, trainable=False, attn_implementation=attention) \
+        if args.beta > 0 else None
     optimizer, scheduler = make_optimizer(policy, args, args.learning_rate, args.total_steps * args.num_iterations)
     trained = {"policy": (policy, optimizer)}
     engine, tracker, start_step = start_training(run, trained, [scheduler], updates_per_step=args.num_iterations)

@@ -17,10 +17,12 @@ of 512 prompt + 1,024 completion tokens:
   chunk's logits: one more head matmul, about 9% of a 0.5B model's training FLOPs.
 - shared prompts (GRPO's G samples of a prompt in one packed row) save the prompt's G - 1 repeats, but attention
   then spans the packed row: at 512 + 8 x 1,025 tokens, 8,712^2 = 76M query-key pairs per row (a 76 MB boolean
-  mask, and no FlashAttention) against 8 x 1,536^2 / 2 = 9.4M causal pairs for 8 padded rows. It pays for short
-  completions (the embedded task: 2.2x fewer tokens), not for long ones.
+  mask as a dense tensor) against 8 x 1,536^2 / 2 = 9.4M causal pairs for 8 padded rows. So the batch keeps [U, L]
+  segment ids, and on GPUs FlexAttention reads them through a block mask; it pays for short completions (the
+  embedded task: 2.2x fewer tokens).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +39,7 @@ class TokenBatch:
     positions p - 1, p, ... and attending (block mask) to the prompt and itself only, so each packed column predicts
     one token and `gather_index` reads them back into the [B, C] layout. Same values as padded rows, fewer tokens."""
     input_ids: torch.Tensor  # [B, P + C], or [U, L] packed
-    attention_mask: torch.Tensor  # [B, P + C], or [U, 1, L, L] bool (True: may attend) packed
+    attention_mask: torch.Tensor | None  # [B, P + C]; packed: None (built per forward from segment_ids)
     position_ids: torch.Tensor  # [B, P + C], counting from each row's first real token (packed: [U, L])
     completion_ids: torch.Tensor  # [B, C]
     mask: torch.Tensor  # [B, C] float, 1.0 on real completion tokens
@@ -46,6 +48,7 @@ class TokenBatch:
     packed_targets: torch.Tensor | None = None  # [U, L]: the token each packed column predicts (pad_id where none)
     gather_index: torch.Tensor | None = None  # [B, C]: flat index into the packed [U, L - first_predictor] columns
     first_predictor: int = 0  # the first packed column whose logits are needed (the shortest prompt's last token)
+    segment_ids: torch.Tensor | None = None  # [U, L] packed: -1 the shared prompt, g completion g's segment, -2 pad
 
 
 def _pack(rows: list[list[int]], width: int, fill: float, dtype: torch.dtype, left: bool) -> torch.Tensor:
@@ -114,21 +117,67 @@ def _packed_batch(prompts: list[list[int]], completions: list[list[int]], pad_id
         segments.append(row_segments)
         targets.append(row_targets)
     width = max(map(len, tokens))
-    segment_ids = _pack(segments, width, -2, torch.long, left=False)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-    allowed = causal & (same_segment | (segment_ids[:, None, :] == -1))  # padding attends to itself, never read
     first_predictor = min(len(p) for p in prompts) - 1
     kept = width - first_predictor
     gather_index = torch.zeros_like(completion_ids)
     for row, (packed_row, start) in starts.items():
         length = len(completions[row])
         gather_index[row, :length] = packed_row * kept + start - first_predictor + torch.arange(length)
-    return TokenBatch(_pack(tokens, width, pad_id, torch.long, left=False).to(device), allowed[:, None].to(device),
+    return TokenBatch(_pack(tokens, width, pad_id, torch.long, left=False).to(device), None,
                       _pack(positions, width, 0, torch.long, left=False).to(device), completion_ids.to(device),
                       completion_mask.to(device), prompt_width, rollout_logprobs,
                       _pack(targets, width, pad_id, torch.long, left=False).to(device), gather_index.to(device),
-                      first_predictor)
+                      first_predictor, _pack(segments, width, -2, torch.long, left=False).to(device))
+
+
+PACKED_ATTENTION = "packed_flex"  # the attention implementation for packed rows on GPUs (registered below)
+
+
+def packed_attention_mask(segment_ids: torch.Tensor, attn_implementation: str) -> object:
+    """Who may attend to whom in packed rows: earlier columns of one's own segment, and the shared prompt (padding
+    attends to itself and is never read). For FlexAttention a BlockMask, built from this rule and the [U, L] segment
+    ids, never an L x L tensor (at 512 + 8 x 1,025 tokens an L x L boolean is 76 MB per row, and SDPA with any
+    explicit mask cannot use its flash kernel); for SDPA (the CPU path) the dense [U, 1, L, L] boolean, on the
+    device, for this forward only."""
+    rows, width = segment_ids.shape
+    if attn_implementation == PACKED_ATTENTION:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def may_attend(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return (kv <= q) & ((segment_ids[b, q] == segment_ids[b, kv]) | (segment_ids[b, kv] == -1))
+
+        return create_block_mask(may_attend, rows, None, width, width, device=segment_ids.device)
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal & (same_segment | (segment_ids[:, None, :] == -1)))[:, None]
+
+
+def _flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: object, scaling: float | None = None, **kwargs: object
+                    ) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over FlexAttention with the packed rows' BlockMask, compiled with dynamic
+    shapes (transformers' own flex path compiles per shape, and packed widths change every micro-batch); eager on
+    CPU, where only the tests run it. query [U, heads, L, D] -> [U, L, heads, D]."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = flex_attention if query.device.type == "cpu" else _compiled_flex_attention()
+    output = attend(query, key, value, block_mask=attention_mask, scale=scaling,
+                    enable_gqa=query.shape[1] != key.shape[1])
+    return output.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _compiled_flex_attention() -> object:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def register_packed_attention() -> None:
+    """Make PACKED_ATTENTION a name transformers' models accept as `attn_implementation`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, _flex_attention)
 
 
 def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -211,6 +260,8 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     real = batch.mask.reshape(-1) > 0  # [B * C]: the positions of the result that hold a real token
     rows = batch.gather_index.reshape(-1)[real] if packed else real.nonzero()[:, 0]  # into the kept [., columns]
     head, entropy = model.get_output_embeddings(), {}
+    attention_mask = (packed_attention_mask(batch.segment_ids, model.config._attn_implementation) if packed
+                      else batch.attention_mask)
 
     def chosen_token_head(hidden: torch.Tensor) -> torch.Tensor:  # [rows, columns, H] -> [N] logprobs
         hidden = hidden.reshape(-1, hidden.shape[-1])[rows]
@@ -220,7 +271,7 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
 
     head.forward = chosen_token_head
     try:
-        chosen = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+        chosen = model(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=batch.position_ids,
                        logits_to_keep=columns, use_cache=False).logits  # no KV cache: nothing decodes afterwards
     finally:
         del head.forward

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from common.batching import PACKED_ATTENTION, register_packed_attention
 from common.distributed import fail
 
 if TYPE_CHECKING:
@@ -24,11 +25,12 @@ EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model
 SYNC_BUCKET_BYTES = 256 * 2**20  # full tensors held at once while streaming weights (a 0.5B layer is 30 MB in bf16)
 
 
-def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool = True, model_class: object = None
-               ) -> torch.nn.Module:
+def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool = True, model_class: object = None,
+               attn_implementation: str = "sdpa") -> torch.nn.Module:
     """A HF model sharded with FSDP2 per transformer block (the classes in the model's `_no_split_modules`, e.g.
     Qwen2DecoderLayer) and at the root, computing in `args.dtype` and reducing gradients in float32. Trained models
     keep float32 master weights; frozen ones (reference, reward model) hold their weights in `args.dtype`.
+    `attn_implementation`: transformers' name, or batching.PACKED_ATTENTION for packed rows on GPUs.
 
     Memory at 7B (7.6B parameters): only rank 0 reads the checkpoint, into host memory in float32 (30 GB, once per
     job); every rank builds the model on the meta device (no memory), shards it, allocates its own shard (30 GB / N
@@ -44,6 +46,8 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     from transformers import AutoConfig, AutoModelForCausalLM
 
     compute_dtype = getattr(torch, args.dtype)
+    if attn_implementation == PACKED_ATTENTION:
+        register_packed_attention()
     text_config = AutoConfig.from_pretrained(path).get_text_config()
     if model_class is None and (getattr(text_config, "final_logit_softcapping", None)
                                 or getattr(text_config, "logit_scale", 1.0) not in (None, 1.0)):
@@ -52,7 +56,8 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     source = shape = None
     if dist.get_rank() == 0:
         stored_dtype = text_config.dtype
-        source = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
+        source = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32,
+                                                                        attn_implementation=attn_implementation)
         shape = (type(source), source.config, stored_dtype or compute_dtype)
     model_type, config, export_dtype = _broadcast_object(shape)
     with torch.device("meta"):

@@ -18,7 +18,14 @@ from conftest import ROOT
 
 import common.batching as batching
 import common.models as models
-from common.batching import make_batch, mismatch_stats, pad_completions, token_logprobs
+from common.batching import (
+    PACKED_ATTENTION,
+    make_batch,
+    mismatch_stats,
+    packed_attention_mask,
+    pad_completions,
+    token_logprobs,
+)
 from common.checkpoint import check_resume_args
 from common.determinism import parameter_hash
 from common.distributed import Totals, init_distributed, reduce_stats
@@ -127,27 +134,45 @@ def test_shared_prompt_layout():
     # prompt [3, 4] once, then per completion a copy of the prompt's last token (12) and the completion
     assert batch.input_ids[0].tolist()[:10] == [3, 4, 12, 9, 10, 1, 12, 11, 12, 0]
     assert batch.position_ids[0].tolist()[:9] == [0, 1, 2, 3, 4, 5, 2, 3, 2]
-    allowed = batch.attention_mask[0, 0]
+    assert batch.attention_mask is None and batch.segment_ids.shape == batch.input_ids.shape  # no L x L tensor
+    dense = packed_attention_mask(batch.segment_ids, "sdpa")
+    allowed = dense[0, 0]
     assert allowed[7].tolist()[:9] == [True, True, False, False, False, False, True, True, False]  # prompt + own
     assert allowed[2].tolist()[:9] == [True, True, True] + [False] * 6  # segment 0, first column
     assert not allowed[:9, 9:].any()  # no real column attends to padding
     # a one-token prompt has no shared part: its segment attends to itself only
-    assert batch.input_ids[2].tolist()[:3] == [8, 10, 11] and batch.attention_mask[2, 0, 2, :3].all()
+    assert batch.input_ids[2].tolist()[:3] == [8, 10, 11] and dense[2, 0, 2, :3].all()
+    # FlexAttention's block mask applies the same rule, column by column
+    block_mask = packed_attention_mask(batch.segment_ids, PACKED_ATTENTION)
+    rows, width = batch.segment_ids.shape
+    index = torch.arange(width)
+    rule = torch.stack([block_mask.mask_mod(torch.tensor(u), 0, index[:, None], index[None, :]) for u in range(rows)])
+    assert torch.equal(rule, dense[:, 0])
     assert batch.completion_ids.tolist() == make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0,
                                                        torch.device("cpu")).completion_ids.tolist()
 
 
-def test_shared_prompt_logprobs_and_gradients_equal_padded_rows(tiny_model_64):
+@pytest.mark.parametrize("attention", ["sdpa", PACKED_ATTENTION])
+def test_shared_prompt_logprobs_and_gradients_equal_padded_rows(tiny_model_64, attention: str):
+    """Packed rows through SDPA with the dense mask (the CPU path) and through FlexAttention with the block mask (the
+    GPU path, eager here) against padded rows through SDPA. FlexAttention has no backward on CPU, so its gradients
+    (torch's kernel) are checked on GPUs only; the values here."""
+    batching.register_packed_attention()
     model = tiny_model_64.eval()
     padded = make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"))
     packed = make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"), share_prompts=True)
     weights = torch.randn(padded.mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with_gradients = attention == "sdpa"
     results = []
     for batch in (padded, packed):
+        model.config._attn_implementation = "sdpa" if batch is padded else attention
         model.zero_grad()
-        logprobs, entropy = token_logprobs(model, batch, temperature=0.7, with_entropy=True)
-        (logprobs * weights).sum().backward()
-        results.append((logprobs, entropy, [p.grad.clone() for p in model.parameters()]))
+        with torch.set_grad_enabled(with_gradients):
+            logprobs, entropy = token_logprobs(model, batch, temperature=0.7, with_entropy=True)
+        if with_gradients:
+            (logprobs * weights).sum().backward()
+        results.append((logprobs, entropy, [p.grad.clone() for p in model.parameters()] if with_gradients else []))
+    model.config._attn_implementation = "sdpa"
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-10, rtol=1e-10)  # padding: 0.0 in both
     torch.testing.assert_close(results[1][1], results[0][1], atol=1e-10, rtol=1e-10)
     for packed_grad, padded_grad in zip(results[1][2], results[0][2]):
