@@ -23,7 +23,7 @@ of 512 prompt + 1,024 completion tokens:
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,13 @@ class TokenBatch:
     gather_index: torch.Tensor | None = None  # [B, C]: flat index into the packed [U, L - first_predictor] columns
     first_predictor: int = 0  # the first packed column whose logits are needed (the shortest prompt's last token)
     segment_ids: torch.Tensor | None = None  # [U, L] packed: -1 the shared prompt, g completion g's segment, -2 pad
+    head_rows: torch.Tensor = field(init=False)  # [N]: the kept hidden-state rows that predict a real token
+    unpack_index: torch.Tensor = field(init=False)  # [B * C]: each position's row among them, N where padding
+
+    def __post_init__(self) -> None:  # index work once per batch (a host sync on GPUs), not in every forward
+        real = self.mask.reshape(-1) > 0
+        self.head_rows = self.gather_index.reshape(-1)[real] if self.gather_index is not None else real.nonzero()[:, 0]
+        self.unpack_index = torch.where(real, real.long().cumsum(0) - 1, int(real.sum()))
 
 
 def _pack(rows: list[list[int]], width: int, fill: float, dtype: torch.dtype, left: bool) -> torch.Tensor:
@@ -256,9 +263,8 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     packed = batch.gather_index is not None  # every kept packed column predicts the next token of its segment
     columns = (torch.arange(batch.first_predictor, batch.input_ids.shape[1], device=batch.input_ids.device) if packed
                else completion_columns(batch))
-    targets = batch.packed_targets[:, batch.first_predictor:] if packed else batch.completion_ids
-    real = batch.mask.reshape(-1) > 0  # [B * C]: the positions of the result that hold a real token
-    rows = batch.gather_index.reshape(-1)[real] if packed else real.nonzero()[:, 0]  # into the kept [., columns]
+    targets = (batch.packed_targets[:, batch.first_predictor:] if packed else batch.completion_ids).reshape(-1)
+    rows = batch.head_rows
     head, entropy = model.get_output_embeddings(), {}
     attention_mask = (packed_attention_mask(batch.segment_ids, model.config._attn_implementation) if packed
                       else batch.attention_mask)
@@ -267,7 +273,7 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
         hidden = hidden.reshape(-1, hidden.shape[-1])[rows]
         if with_entropy:
             entropy["rows"] = _chunked_entropy(hidden.detach(), head.weight.detach(), temperature)
-        return _ChosenTokenLogprob.apply(hidden, head.weight, targets.reshape(-1)[rows], temperature)
+        return _ChosenTokenLogprob.apply(hidden, head.weight, targets[rows], temperature)
 
     head.forward = chosen_token_head
     try:
@@ -277,14 +283,9 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
         del head.forward
 
     def unpack(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, C], exactly 0.0 where the mask is 0
-        return torch.cat([values, values.new_zeros(1)])[_scatter_index(real)].view(batch.mask.shape)
+        return torch.cat([values, values.new_zeros(1)])[batch.unpack_index].view(batch.mask.shape)
 
     return (unpack(chosen), unpack(entropy["rows"])) if with_entropy else unpack(chosen)
-
-
-def _scatter_index(real: torch.Tensor) -> torch.Tensor:
-    """For each position: its rank among the real positions, or the number of them (a trailing zero) if padding."""
-    return torch.where(real, real.long().cumsum(0) - 1, int(real.sum()))
 
 
 def mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -183,7 +183,7 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     weights. Returns the engine, the tracker and the last completed step (0 for a fresh run)."""
     args = run.args
     max_model_len = max(map(len, run.train_ids + run.test_ids)) + args.max_completion_length
-    if run.device.type == "cuda":  # models went to the GPU whole before sharding; vLLM sizes itself from free memory
+    if run.device.type == "cuda":  # loading held one full tensor at a time; vLLM sizes itself from free memory
         torch.cuda.empty_cache()
     engine = make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
                          run.device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization)

@@ -41,8 +41,6 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     keep only their inputs for backward and recompute the rest. Exports store the checkpoint's own dtype
     (`config.dtype`; `args.dtype` when the checkpoint names none)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
     compute_dtype = getattr(torch, args.dtype)
@@ -63,6 +61,27 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     with torch.device("meta"):
         model = model_type._from_config(config, dtype=torch.float32)
     model.config.dtype = export_dtype  # what export_pretrained writes (building set it to the masters' float32)
+    shard_model(model, args, device, trainable)
+    set_model_state_dict(model, source.state_dict() if source is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source_buffers = dict(source.named_buffers()) if source is not None else {}
+    for name, buffer in model.named_buffers():  # the rotary tables are not in a state dict
+        if source is not None:
+            buffer.copy_(source_buffers[name])
+        dist.broadcast(buffer, src=0)
+    model.eval()  # no dropout anywhere: the engine and the reference have none
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def shard_model(model: torch.nn.Module, args: LLMArgs, device: torch.device, trainable: bool) -> None:
+    """A model built on the meta device, sharded as load_model describes, its shards allocated on `device` (empty):
+    frozen parameters cast to the compute dtype, block checkpointing, FSDP2 per block and at the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    compute_dtype = getattr(torch, args.dtype)
     if not trainable:  # frozen: half the memory in bfloat16; buffers stay float32 as built
         for parameter in model.parameters():
             parameter.data = parameter.data.to(compute_dtype)
@@ -79,17 +98,6 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
-    set_model_state_dict(model, source.state_dict() if source is not None else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    source_buffers = dict(source.named_buffers()) if source is not None else {}
-    for name, buffer in model.named_buffers():  # the rotary tables are not in a state dict
-        if source is not None:
-            buffer.copy_(source_buffers[name])
-        dist.broadcast(buffer, src=0)
-    model.eval()  # no dropout anywhere: the engine and the reference have none
-    if not trainable:
-        model.requires_grad_(False)
-    return model
 
 
 def _broadcast_object(value: object) -> object:

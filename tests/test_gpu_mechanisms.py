@@ -166,6 +166,20 @@ def test_sharded_loading_at_world_size_2_equals_from_pretrained(tmp_path):
     assert report["exported_config_dtype"] == "bfloat16", report
 
 
+def test_memory_estimate_is_within_15_percent_of_the_real_step(tmp_path):
+    """benchmarks/memory_estimate.py on the embedded model: GRPO's step on fake tensors against the same step on real
+    ones (the peak of live tensors), with and without gradient checkpointing (measured: +6.4% and +4.0%)."""
+    result = subprocess.run([sys.executable, "benchmarks/memory_estimate.py", "--validate", "embedded", "--scripts",
+                             "grpo", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "validation.json").read_text())["rows"]
+    assert [row["gradient_checkpointing"] for row in rows] == [False, True]
+    assert all(abs(row["error"]) <= 0.15 for row in rows), [row["error"] for row in rows]
+    # checkpointing keeps less, in the estimate as in the real step
+    assert rows[1]["estimate"]["activations"] < rows[0]["estimate"]["activations"] / 2
+    assert rows[1]["measured"]["activations"] < rows[0]["measured"]["activations"] / 2
+
+
 def test_training_under_vllm_sm8x_overrides_reroutes_autograd_and_keeps_the_gradients():
     result = subprocess.run([sys.executable, __file__], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
