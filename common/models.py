@@ -56,11 +56,13 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
         stored_dtype = text_config.dtype
         source = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32,
                                                                         attn_implementation=attn_implementation)
-        shape = (type(source), source.config, stored_dtype or compute_dtype)
-    model_type, config, export_dtype = _broadcast_object(shape)
+        shape = (type(source), source.config, getattr(source, "generation_config", None), stored_dtype or compute_dtype)
+    model_type, config, generation_config, export_dtype = _broadcast_object(shape)
     with torch.device("meta"):
         model = model_type._from_config(config, dtype=torch.float32)
     model.config.dtype = export_dtype  # what export_pretrained writes (building set it to the masters' float32)
+    if generation_config is not None:  # the checkpoint's (e.g. both EOS ids), not one derived from the config
+        model.generation_config = generation_config
     shard_model(model, args, device, trainable)
     set_model_state_dict(model, source.state_dict() if source is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -64,7 +64,8 @@ def tiny_model_64(monkeypatch):
 def world_of_one(monkeypatch):
     """A gloo group of one process, as plain `python script.py` creates it (on a fresh port each time)."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so that teardown also removes what init_distributed sets
+        monkeypatch.delenv(name)
     init_distributed()
     yield
     if dist.is_initialized():
