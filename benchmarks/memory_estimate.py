@@ -251,9 +251,23 @@ def table(model_names: list[str], scripts: list[str], world_sizes: list[int], ou
                                  "gradient_checkpointing": checkpointing, **peak,
                                  "seconds": round(time.time() - started, 1)})
                     print(json.dumps(rows[-1]), flush=True)
+    write_table(rows, out)
+
+
+def write_table(rows: list[dict], out: Path) -> None:
+    """results.json and table.md in `out`; rows from earlier runs there (other models, scripts or N) are kept."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"command": " ".join(sys.argv), "workloads": WORKLOADS,
-                                                  "models": MODELS, "rows": rows}, indent=1) + "\n")
+    key = ("model", "script", "world_size", "gradient_checkpointing")
+    if (out / "results.json").exists():
+        earlier = json.loads((out / "results.json").read_text())["rows"]
+        rows = [row for row in earlier if tuple(row[k] for k in key) not in {tuple(r[k] for k in key) for r in rows}] \
+            + rows
+    order = {name: index for index, name in enumerate([*MODELS, *WORKLOADS])}
+    rows.sort(key=lambda row: (order[row["model"]], order[row["script"]], row["world_size"],
+                               row["gradient_checkpointing"]))
+    (out / "results.json").write_text(json.dumps({"command": "python benchmarks/memory_estimate.py",
+                                                  "workloads": WORKLOADS, "models": MODELS, "rows": rows},
+                                                 indent=1) + "\n")
     lines = ["| model | script | N | checkpointing | parameters | gradients | optimizer | activations | temporaries "
              "| other models' shards and optimizer state | peak (GiB) |", "|---" * 11 + "|"]
     for row in rows:

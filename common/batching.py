@@ -153,7 +153,9 @@ def packed_attention_mask(segment_ids: torch.Tensor, attn_implementation: str) -
         def may_attend(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return (kv <= q) & ((segment_ids[b, q] == segment_ids[b, kv]) | (segment_ids[b, kv] == -1))
 
-        return create_block_mask(may_attend, rows, None, width, width, device=segment_ids.device)
+        # compiled on GPUs: eager construction evaluates the rule on a dense [U, L, L] grid first
+        return create_block_mask(may_attend, rows, None, width, width, device=segment_ids.device,
+                                 _compile=segment_ids.is_cuda)
     causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
     return (causal & (same_segment | (segment_ids[:, None, :] == -1)))[:, None]
