@@ -32,7 +32,14 @@ from gymnasium.wrappers import AtariPreprocessing, ClipReward, FrameStackObserva
 
 from common.checkpoint import check_resume_args, resolve_checkpoint, save_checkpoint
 from common.determinism import parameter_hash, restore_rng_states, rng_states, seed_everything
-from common.distributed import fail, init_distributed, reduce_stats, save_group
+from common.distributed import (
+    all_ranks_ok,
+    check_shared_filesystem,
+    fail,
+    init_distributed,
+    reduce_stats,
+    save_group,
+)
 from common.tracking import RunTracker, get_logger
 
 gym.register_envs(ale_py)
@@ -459,28 +466,37 @@ def save(root: Path, state: dict, args: Args, rank: int, world_size: int) -> Non
 
 def load(path: str, args: Args, rank: int, world_size: int) -> tuple[Path, dict]:
     """This rank's state dict of a checkpoint, as `save` took it, after checking it was written by this run (same
-    arguments mean the same network). Every rank reads the same trainer_state and checks every rank's file, so all
-    fail together; the replay buffer is memory-mapped (no second copy of 7 GB)."""
+    arguments mean the same network). Every rank checks the checkpoint and its own files, and all decide together,
+    so a rank that cannot read its part stops the others too; the replay buffer is memory-mapped (no second copy of
+    7 GB)."""
+    directory, state, problem = None, {}, None
     try:
         directory = resolve_checkpoint(path)
-    except FileNotFoundError as error:
-        fail(str(error))
-    trainer = torch.load(directory / "trainer_state.pt", map_location="cpu", weights_only=False)
-    if not isinstance(trainer, dict) or trainer.get("algorithm") != "dqn_atari" or "args" not in trainer:
-        fail(f"{directory} is not a dqn_atari checkpoint (or one from before arguments were saved)")
-    problems = check_resume_args(trainer["args"], dataclasses.asdict(args), MAY_CHANGE_ON_RESUME)
-    if trainer["world_size"] != world_size:
-        problems.append(f"world size: checkpoint {trainer['world_size']}, now {world_size}")
-    if args.total_timesteps < trainer["global_step"]:
-        problems.append(f"--total-timesteps {args.total_timesteps} is below the checkpoint's step")
-    if problems:
-        fail(f"{directory} was saved by a different run; resume needs the same settings:\n  " + "\n  ".join(problems))
-    missing = [f"rank{r}.pt" for r in range(world_size) if not (directory / f"rank{r}.pt").is_file()]
-    if missing:
-        fail(f"{directory} lacks {', '.join(missing)}")
-    own = torch.load(directory / f"rank{rank}.pt", map_location="cpu", weights_only=False)
-    buffer = {name: np.load(directory / f"rank{rank}_buffer_{name}.npy", mmap_mode="r") for name in ReplayBuffer.FIELDS}
-    return directory, {**trainer, **own, "buffer": buffer}
+        trainer = torch.load(directory / "trainer_state.pt", map_location="cpu", weights_only=False)
+        if not isinstance(trainer, dict) or trainer.get("algorithm") != "dqn_atari" or "args" not in trainer:
+            raise ValueError(f"{directory} is not a dqn_atari checkpoint (or one from before arguments were saved)")
+        problems = check_resume_args(trainer["args"], dataclasses.asdict(args), MAY_CHANGE_ON_RESUME)
+        if trainer["world_size"] != world_size:
+            problems.append(f"world size: checkpoint {trainer['world_size']}, now {world_size}")
+        if args.total_timesteps < trainer["global_step"]:
+            problems.append(f"--total-timesteps {args.total_timesteps} is below the checkpoint's step")
+        if problems:
+            raise ValueError(f"{directory} was saved by a different run; resume needs the same settings:\n  "
+                             + "\n  ".join(problems))
+        missing = [f"rank{r}.pt" for r in range(world_size) if not (directory / f"rank{r}.pt").is_file()]
+        if missing:
+            raise ValueError(f"{directory} lacks {', '.join(missing)}")
+        own = torch.load(directory / f"rank{rank}.pt", map_location="cpu", weights_only=False)
+        buffer = {name: np.load(directory / f"rank{rank}_buffer_{name}.npy", mmap_mode="r")
+                  for name in ReplayBuffer.FIELDS}
+        state = {**trainer, **own, "buffer": buffer}
+    except (FileNotFoundError, ValueError) as error:  # what resolve_checkpoint and the checks above raise
+        problem = str(error)
+    except Exception as error:  # a damaged file: unpickling and numpy raise many types
+        problem = f"{directory} does not load on rank {rank}: {type(error).__name__}: {error}"
+    if not all_ranks_ok(problem is None):
+        fail(problem or "another rank cannot resume from this checkpoint; its message says why")
+    return directory, state
 
 
 def evaluate(q_network: nn.Module, args: Args, device: torch.device, video_dir: str | None
@@ -506,6 +522,7 @@ if __name__ == "__main__":
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     determinism = seed_everything(args.seed, args.deterministic)  # same seed on every rank: same initial nets
     rank, world_size, device = init_distributed()
+    check_shared_filesystem(Path(args.resume or args.run_root), create=not args.resume)  # all ranks write there
     log = get_logger(rank)
     num_actions = int(gym.make(args.env_id, full_action_space=False).action_space.n)
     q_network = QNetwork(num_actions).to(device)

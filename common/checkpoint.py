@@ -2,8 +2,10 @@
 `latest` file naming the newest complete one, so a kill during a save never corrupts the latest checkpoint. For the
 LLM scripts: every rank's own shards of the training state, and a `transformers`-loadable export of the policy."""
 
+import json
 import os
 import shutil
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -12,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from common.determinism import rng_states
-from common.distributed import fail, save_group
+from common.distributed import all_ranks_ok, fail, save_group
 from common.models import export_pretrained
 
 
@@ -84,26 +86,130 @@ def check_resume_args(saved: dict[str, object], current: dict[str, object], may_
     return problems
 
 
+def in_brief(error: BaseException) -> str:
+    """An exception as its type and the first sentence of its message, not torch's paragraphs of advice."""
+    message = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def trainer_shards_damage(trainer: Path) -> str | None:
+    """What is wrong with a torch.distributed.checkpoint directory: its .metadata does not load, or a file it
+    records is missing or shorter than the last byte range recorded in it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (trainer / ".metadata").is_file():
+        return f"{trainer.name}/.metadata is missing"
+    try:
+        metadata = FileSystemReader(str(trainer)).read_metadata()
+    except Exception as error:  # a damaged pickle raises many types
+        return f"{trainer.name}/.metadata does not load ({in_brief(error)})"
+    needed: dict[str, int] = {}
+    for stored in (metadata.storage_data or {}).values():
+        needed[stored.relative_path] = max(needed.get(stored.relative_path, 0), stored.offset + stored.length)
+    for name, length in sorted(needed.items()):
+        path = trainer / name
+        if not path.is_file():
+            return f"{trainer.name}/{name} is missing"
+        if path.stat().st_size < length:
+            return f"{trainer.name}/{name} is {path.stat().st_size} bytes, its metadata needs {length} (truncated?)"
+    return None
+
+
+def export_damage(directory: Path) -> str | None:
+    """What is wrong with a checkpoint's transformers export: a safetensors file (the index's, or the single
+    model.safetensors) is missing, its header does not parse, or it is shorter than the tensors its header lists."""
+    index = directory / "model.safetensors.index.json"
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"]
+    except (ValueError, KeyError) as error:
+        return f"{index.name} does not parse ({in_brief(error)})"
+    for name in names:
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        with open(path, "rb") as handle:  # safetensors: 8 bytes of header length, a JSON header, the tensors' bytes
+            header_length = int.from_bytes(handle.read(8), "little")
+            try:
+                header = json.loads(handle.read(header_length)) if size >= 8 + header_length else None
+            except ValueError:
+                header = None
+        if header is None:
+            return f"{name} is {size} bytes and its header does not parse (truncated?)"
+        data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        if size < 8 + header_length + data_end:
+            return f"{name} is {size} bytes, its header needs {8 + header_length + data_end} (truncated?)"
+    return None
+
+
+def checkpoint_damage(directory: Path) -> str | None:
+    """What makes the checkpoint `directory` unusable, as one line naming the damaged file, or None when it is
+    whole. Cheap (trainer_state.pt and headers are read, never a shard), and needs nothing that checkpoints have not
+    always held."""
+    state_file = directory / "trainer_state.pt"
+    if not state_file.is_file():
+        return "trainer_state.pt is missing"
+    if not zipfile.is_zipfile(state_file):  # torch.save writes a zip archive, whose directory comes last
+        return f"trainer_state.pt is {state_file.stat().st_size} bytes and not a complete archive (truncated?)"
+    try:
+        torch.load(state_file, weights_only=False)
+    except Exception as error:  # unpickling raises many types
+        return f"trainer_state.pt does not load ({in_brief(error)})"
+    return trainer_shards_damage(directory / "trainer") or export_damage(directory)
+
+
+def previous_complete_checkpoint(directory: Path) -> Path | None:
+    """The newest undamaged checkpoint beside `directory` with an earlier step."""
+    earlier = sorted((p for p in directory.parent.glob("step_*") if p.is_dir() and p.name < directory.name),
+                     reverse=True)
+    return next((candidate for candidate in earlier if checkpoint_damage(candidate) is None), None)
+
+
+def resume_instead(directory: Path) -> str:
+    """Where to resume from when `directory` cannot be: named, never taken silently."""
+    earlier = previous_complete_checkpoint(directory)
+    if earlier is None:
+        return "There is no earlier complete checkpoint (without --resume the run starts over)"
+    return f"The previous complete checkpoint is {earlier}: resume from it with --resume {earlier}"
+
+
+def resume_mismatch(directory: Path, state: dict, args: object, world_size: int, may_change: Iterable[str]
+                    ) -> str | None:
+    """Why the checkpoint `directory` (its trainer_state: `state`) cannot continue as this run (`args`), or None."""
+    if state.get("world_size") != world_size:
+        return f"checkpoint was written with world size {state.get('world_size')}, this run has {world_size}; " \
+               "resume needs the same"
+    problems = check_resume_args(state["args"], asdict(args), may_change)
+    if problems:
+        return f"{directory} was written with other arguments; resuming would silently change the run:\n  " \
+            + "\n  ".join(problems) + f"\n(arguments a resume may change: {', '.join(may_change)}; " \
+            "--total-steps may grow)"
+    if args.total_steps <= state["step"]:
+        return f"the checkpoint is at step {state['step']}, --total-steps is {args.total_steps}: nothing left to " \
+               "run (a larger --total-steps extends the run)"
+    return None
+
+
 def read_training_state(args: object, world_size: int, may_change: Iterable[str]) -> tuple[Path, dict]:
-    """The checkpoint `args.resume` names and its trainer_state.pt, refused with one message (on every rank alike,
-    before any collective) when it was written at another world size, with other arguments than `args` (except
-    `may_change`), or has nothing left to run."""
+    """The checkpoint `args.resume` names and its trainer_state.pt, refused with one message on every rank (decided
+    together, before any other collective) when a file of it is damaged (naming the previous complete checkpoint),
+    when it was written at another world size, with other arguments than `args` (except `may_change`), or has
+    nothing left to run."""
+    directory, state, problem = None, {}, None
     try:
         directory = resolve_checkpoint(args.resume)
     except FileNotFoundError as error:
-        fail(str(error))
-    state = torch.load(directory / "trainer_state.pt", weights_only=False)
-    if state.get("world_size") != world_size:
-        fail(f"checkpoint was written with world size {state.get('world_size')}, this run has {world_size}; resume "
-             "needs the same")
-    problems = check_resume_args(state["args"], asdict(args), may_change)
-    if problems:
-        fail(f"{directory} was written with other arguments; resuming would silently change the run:\n  "
-             + "\n  ".join(problems) + f"\n(arguments a resume may change: {', '.join(may_change)}; "
-             "--total-steps may grow)")
-    if args.total_steps <= state["step"]:
-        fail(f"the checkpoint is at step {state['step']}, --total-steps is {args.total_steps}: nothing left to run "
-             "(a larger --total-steps extends the run)")
+        problem = str(error)
+    if directory is not None:
+        damage = checkpoint_damage(directory)
+        if damage:
+            problem = f"checkpoint {directory} is damaged: {damage}. {resume_instead(directory)}"
+        else:
+            state = torch.load(directory / "trainer_state.pt", weights_only=False)
+            problem = resume_mismatch(directory, state, args, world_size, may_change)
+    if not all_ranks_ok(problem is None):  # a rank that sees another file system must not leave the rest waiting
+        fail(problem or "another rank cannot resume from this checkpoint; its message says why")
     return directory, state
 
 
@@ -144,7 +250,15 @@ def load_training_checkpoint(directory: Path, trained: dict[str, tuple[torch.nn.
 
     state = {name: {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
              for name, (model, optimizer) in trained.items()}
-    dcp.load(state, checkpoint_id=str(directory / "trainer"), process_group=save_group())
+    try:
+        dcp.load(state, checkpoint_id=str(directory / "trainer"), process_group=save_group())
+    except dcp.CheckpointException as error:  # raised on every rank alike, whichever rank's read failed
+        ranks_by_error: dict[str, list[str]] = {}
+        for rank, (exception, _) in sorted(error.failures.items()):
+            ranks_by_error.setdefault(in_brief(exception), []).append(str(rank))
+        failures = "; ".join(f"{'ranks' if len(ranks) > 1 else 'rank'} {', '.join(ranks)}: {message}"
+                             for message, ranks in ranks_by_error.items())
+        fail(f"checkpoint {directory}: its trainer/ shards do not load ({failures}). {resume_instead(directory)}")
     for name, (model, optimizer) in trained.items():
         set_model_state_dict(model, state[name]["model"])
         set_optimizer_state_dict(model, optimizer, state[name]["optimizer"])

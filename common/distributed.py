@@ -5,8 +5,11 @@ it never forces a device round trip and is valid on every backend."""
 
 import datetime
 import os
+import secrets
 import socket
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,12 +21,45 @@ _save_group: dist.ProcessGroup | None = None
 # The NCCL_* variables when the default group's communicator was created (eagerly, with device_id): NCCL reads most
 # of them once, at the process's first communicator, so the trainer keeps these even after vLLM pins its own.
 _nccl_env_at_init: dict[str, str] = {}
+# Ranks per node as torchrun started them, read at import: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE when its
+# engine starts. torchrun numbers ranks node by node, so node k holds ranks k * LOCAL_WORLD_SIZE ... + that - 1.
+LOCAL_WORLD_SIZE_AT_LAUNCH = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+# The parent at import, as early as this process can know it: for die_with_launcher's check that it still lives.
+LAUNCHER_PID = os.getppid()
+
+
+def local_world_size() -> int:
+    """Processes per node (torchrun's --nproc_per_node), as launched."""
+    return LOCAL_WORLD_SIZE_AT_LAUNCH
+
+
+def die_with_launcher() -> None:
+    """Under torchrun on Linux, have the kernel SIGKILL this worker as soon as its launcher dies: torchrun starts
+    workers in sessions of their own, so a launcher killed by `kill -9`, the OOM killer or a node agent would leave
+    them training and writing checkpoints into a run believed dead. Elsewhere (plain python; macOS and Windows, which
+    have no such signal) this does nothing."""
+    import ctypes
+    import signal
+
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    # SIGKILL, since nothing may outlive the launcher and a kill is safe: checkpoints are written to a temporary
+    # directory and renamed when complete. The kernel sends it when the *thread* that forked us exits; torchrun's
+    # agent starts its workers from its main thread, whose exit is the launcher's.
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != LAUNCHER_PID:  # it died before the call, so no signal will come
+        fail("the torchrun launcher of this worker has died")
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join (or, under plain python, create: a world of one, so the same collectives run either way) the process
     group. Returns (rank, world_size, device)."""
     global _save_group, _nccl_env_at_init
+    die_with_launcher()
     if "RANK" not in os.environ:
         with socket.socket() as probe:  # a free port for the single-process group
             probe.bind(("127.0.0.1", 0))
@@ -35,6 +71,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         _nccl_env_at_init = nccl_env()
+        # gloo connects a pair of ranks when they first exchange data, not every pair at start-up: three world-sized
+        # gloo groups (the default group's CPU side, the save group, vLLM's own) would hold 3 x (N - 1) sockets per
+        # process, past common `ulimit -n` values at N = 1,024; the ring and tree collectives used touch a few peers
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", device_id=device if cuda else None)
         _save_group = dist.new_group(backend="gloo", timeout=SAVE_TIMEOUT)
     return dist.get_rank(), dist.get_world_size(), device
@@ -109,3 +149,45 @@ class Totals:
     def reduce(self) -> dict[str, float]:
         """Every rank's totals, by name: one all-reduce for the sums and one for the maxima."""
         return reduce_stats(self.sums, self.maxima)
+
+
+def all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's `tensor` (the same shape everywhere), stacked: [group size, *tensor.shape], in one collective."""
+    size = dist.get_world_size(group)
+    out = torch.empty(size * tensor.shape[0] if tensor.dim() else size, *tensor.shape[1:], dtype=tensor.dtype,
+                      device=tensor.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(out, tensor.contiguous(), group=group)  # the concatenated form: gloo accepts no other
+    return out.view(size, *tensor.shape)
+
+
+def check_shared_filesystem(path: Path, create: bool) -> None:
+    """Every rank must see what rank 0 writes at `path` (all ranks write checkpoint shards into the run directory and
+    read them back on resume): rank 0 writes a fresh token file into `path` (created when `create`, else its nearest
+    existing directory, as rank 0 sees it), every rank looks for it under the same relative name (for up to 5 s: NFS
+    may cache a directory's listing for a few seconds), and all stop with one message (exit 2) unless all found it.
+    A collective; nothing to do in a world of one."""
+    if dist.get_world_size() == 1:
+        return
+    box = [None, None]
+    if dist.get_rank() == 0:
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        box = [secrets.token_hex(8), str(next(d for d in (path, *path.parents) if d.is_dir()))]
+    dist.broadcast_object_list(box, src=0)
+    directory = Path(box[1])
+    token_file = directory / f".shared-fs-check-{box[0]}"
+    if dist.get_rank() == 0:
+        token_file.write_text(box[0])
+    dist.barrier()
+    deadline = time.time() + 5
+    while not (seen := token_file.is_file() and token_file.read_text() == box[0]) and time.time() < deadline:
+        time.sleep(0.5)
+    blind = [rank for rank, ok in enumerate(all_gather_rows(torch.tensor([int(seen)])).flatten().tolist()) if not ok]
+    if dist.get_rank() == 0:
+        token_file.unlink()
+    if blind:
+        fail(f"{directory.resolve()} is not one shared file system for all ranks: rank(s) {blind} do not see the "
+             f"file rank 0 wrote there (this is rank {dist.get_rank()} on {socket.gethostname()}). Every node must see "
+             "the same path (NFS, Lustre, ...: every rank writes its checkpoint shards there and reads them on "
+             "resume), and every agent must start in the same directory when the path is relative")
