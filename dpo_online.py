@@ -193,7 +193,7 @@ if __name__ == "__main__":
         # ============================== END ALGORITHM ==============================
 
         # --- weight sync into the engine; the step's metrics, reduced by name; evaluation, logs, checkpoint ---
-        sync_s = sync_weights(engine, policy, args.dtype)
+        sync_s = sync_weights(engine, policy, args.dtype, rollout)
         update = totals.reduce()
         metrics = {
             "train/score": counts["score"] / num_sequences,
@@ -209,6 +209,7 @@ if __name__ == "__main__":
             "train/learning_rate": learning_rate,
             "perf/rollout_tokens_per_s": num_tokens / rollout.seconds,
             "perf/train_tokens_per_s": num_pair_tokens / train_s,
+            "perf/train_s": train_s,
             "perf/weight_sync_s": sync_s,
         }
         if num_preferred:  # implicit rewards over the preferred pairs, and the engine/trainer mismatch

@@ -29,6 +29,7 @@ from common.batching import PACKED_ATTENTION, mismatch_stats, token_logprobs
 from common.distributed import Totals, fail, reduce_stats
 from common.llm_run import (
     LLMArgs,
+    balance_tokens,
     check_llm_args,
     end_step,
     finish,
@@ -65,6 +66,11 @@ class Args(LLMArgs):
     """mu: optimizer steps on each batch of rollouts (old logprobs come from the trainer before the first)"""
     tis_cap: float = 2.0
     """truncated importance sampling: weight tokens by min(pi_old / pi_rollout, cap); 0 turns it off"""
+    balance_tokens: bool = False
+    """after the advantages, move completions between ranks so that each trains on nearly the same number of tokens
+    (FSDP's lock step makes every micro-batch cost the slowest rank's): for long-tailed completion lengths"""
+    micro_batch_tokens: int = 0
+    """with --balance-tokens: micro-batches of at most this many tokens, padding included (0: --micro-batch-size)"""
     share_prompts: bool = True
     """the G completions of a prompt share one forward of the prompt (one packed row, block attention mask): same
     values, fewer tokens. Attention then spans the whole packed row (FlexAttention's block-sparse kernel on GPUs),
@@ -78,6 +84,8 @@ def check_args(args: Args, world_size: int) -> None:
         fail(f"--num-iterations must be positive, got {args.num_iterations}")
     if args.scale_advantages == "group" and args.num_generations < 2:
         fail("--num-generations must be at least 2 to compute a group's score std")
+    if args.micro_batch_tokens < 0 or (args.micro_batch_tokens and not args.balance_tokens):
+        fail("--micro-batch-tokens must be non-negative and needs --balance-tokens")
     if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.beta < 0 or args.tis_cap < 0:
         fail("--clip-eps-low, --clip-eps-high, --beta and --tis-cap must be non-negative")
 
@@ -195,15 +203,21 @@ if __name__ == "__main__":
         # --- update: mu optimizer steps on this batch, gradient accumulation over micro-batches ---
         train_start = time.time()
         policy.eval()  # dropout off, as in the engine and the reference: every forward sees one network
-        batches = micro_batches(rollout, split(range(len(rollout.samples)), args.micro_batch_size), run,
-                                args.share_prompts)
+        pieces = split(range(len(rollout.samples)), args.micro_batch_size)
+        if args.balance_tokens:  # (PLUMBING) equal tokens per rank; the advantages travel with their completions
+            rollout, advantages, pieces = balance_tokens(
+                rollout, run, advantages[:, None].cpu(), args.num_generations if args.share_prompts else 1,
+                args.micro_batch_size, args.micro_batch_tokens)
+            advantages = advantages[:, 0].to(device)
+        batches = micro_batches(rollout, pieces, run, args.share_prompts)
         with torch.no_grad():  # pi_old (with mu > 1: before the first of the mu updates) and pi_ref, once per batch
             old_logprobs = [token_logprobs(policy, b, args.temperature) if args.num_iterations > 1 else None
                             for b in batches]
             ref_logprobs = [token_logprobs(reference, b, args.temperature) if reference else None for b in batches]
         totals, grad_norm = Totals(), 0.0  # the norm logged is the mean over the mu updates, as PPO's
         for _ in range(args.num_iterations):  # mu passes over the batch
-            for m, (batch, advantage) in enumerate(zip(batches, advantages[:, None].split(args.micro_batch_size))):
+            for m, (batch, rows) in enumerate(zip(batches, pieces)):
+                advantage = advantages[list(rows), None]
                 logprobs = token_logprobs(policy, batch, args.temperature)
                 if old_logprobs[m] is None:  # mu = 1: the policy before the update is the one in this forward
                     old_logprobs[m] = logprobs.detach()
@@ -228,7 +242,7 @@ if __name__ == "__main__":
         # ============================== END ALGORITHM ==============================
 
         # --- weight sync into the engine; the step's metrics, reduced by name; evaluation, logs, checkpoint ---
-        sync_s = sync_weights(engine, policy, args.dtype)
+        sync_s = sync_weights(engine, policy, args.dtype, rollout)
         flat_scores = grouped.flatten()
         metrics = {
             "train/score": flat_scores.mean().item(),
@@ -241,6 +255,7 @@ if __name__ == "__main__":
             **totals.reduce(),
             "perf/rollout_tokens_per_s": num_tokens / rollout.seconds,
             "perf/train_tokens_per_s": num_tokens * args.num_iterations / train_s,
+            "perf/train_s": train_s,
             "perf/weight_sync_s": sync_s,
         }
         end_step(run, engine, tracker, step, rollout, metrics, trained)

@@ -371,7 +371,7 @@ if __name__ == "__main__":
         # ============================== END ALGORITHM ==============================
 
         # --- weight sync into the engine; the step's metrics, reduced by name; evaluation, logs, checkpoint ---
-        sync_s = sync_weights(engine, policy, args.dtype)
+        sync_s = sync_weights(engine, policy, args.dtype, rollout)
         # explained variance 1 - Var(R - V_old) / Var(R) over valid tokens, where R - V_old is GAE's advantage
         _, return_variance = moments(counts["return"], counts["return_sq"], num_tokens)
         _, error_variance = moments(counts["advantage"], counts["advantage_sq"], num_tokens)
@@ -393,6 +393,7 @@ if __name__ == "__main__":
             **totals.reduce(),
             "perf/rollout_tokens_per_s": num_tokens / rollout.seconds,
             "perf/train_tokens_per_s": num_tokens * args.ppo_epochs / train_s,
+            "perf/train_s": train_s,
             "perf/weight_sync_s": sync_s,
         }
         if args.target_kl is not None:  # the next step's coefficient

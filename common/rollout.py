@@ -5,7 +5,9 @@ and one seed per sample in (so a sample does not depend on its batch-mates), sam
 import hashlib
 import importlib.util
 import logging
+import math
 import os
+import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,12 +46,12 @@ class VLLMEngine:
                  kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> None:
         from vllm import LLM
 
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
         self.tp, self.tp_group = tp, None
-        for start in range(0, world, tp):  # every rank creates every group, in the same order; gloo: objects only
-            group = dist.new_group(list(range(start, start + tp)), backend="gloo") if tp > 1 else None
-            if start <= rank < start + tp:
-                self.tp_group = group
+        if tp > 1:  # this rank's group only, created by its members alone (not N / tp world-wide calls); objects only
+            first = rank - rank % tp
+            self.tp_group = dist.new_group(list(range(first, first + tp)), backend="gloo",
+                                           use_local_synchronization=True)
         memory = ({"kv_cache_memory_bytes": kv_cache_memory_bytes} if device.type == "cpu"
                   else {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True})
         self.llm = LLM(
@@ -172,6 +174,46 @@ class HFEngine:
 
     def sleep(self) -> None:
         """Nothing to free: the fallback holds no KV cache between calls."""
+
+    def close(self) -> None:
+        """Nothing to tear down."""
+
+
+class FakeEngine:
+    """A stand-in for generation at scale (`--rollout-engine fake`): each completion's length is drawn from a
+    lognormal (median `median_length`, shape `sigma`, capped at max_tokens) and its tokens uniformly from the
+    vocabulary without the EOS ids, all from the sample's own seed; the call then sleeps tau0 x the longest
+    completion, as a decode loop waits for its longest sequence. A sleeping rank costs no CPU, so 8-16 ranks with
+    real trainers fit on two cores. Logprobs are the uniform draw's, -log(vocabulary). Weight updates are consumed
+    (the gather is real) and dropped."""
+
+    model_runner = "fake"
+
+    def __init__(self, vocab_size: int, tau0_s: float, median_length: float, sigma: float) -> None:
+        self.vocab_size, self.tau0_s, self.median_length, self.sigma = vocab_size, tau0_s, median_length, sigma
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
+                 eos_ids: list[int]) -> list[Sample]:
+        import numpy as np
+
+        tokens = np.setdiff1d(np.arange(self.vocab_size), eos_ids)
+        samples = []
+        for seed in seeds:
+            draw = np.random.default_rng(seed)
+            length = int(min(max_tokens, max(1, round(draw.lognormal(math.log(self.median_length), self.sigma)))))
+            truncated = length == max_tokens
+            ids = draw.choice(tokens, size=length if truncated else length - 1).tolist()
+            ids += [] if truncated else [eos_ids[0]]
+            samples.append(Sample(ids, [-math.log(self.vocab_size)] * len(ids), truncated))
+        time.sleep(self.tau0_s * max((len(s.completion_ids) for s in samples), default=0))
+        return samples
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for _ in named_tensors:  # every rank takes part in every gather
+            pass
+
+    def sleep(self) -> None:
+        """Nothing to free."""
 
     def close(self) -> None:
         """Nothing to tear down."""

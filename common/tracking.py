@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -22,9 +23,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from common.distributed import all_gather_rows
+
 ROOT = Path(__file__).resolve().parent.parent
 # Metrics that measure wall-clock time and so differ between otherwise identical runs.
 WALL_CLOCK_PREFIXES = ("perf/", "charts/SPS")
+# timings.jsonl: per step, every rank's phases (seconds, each its own measured span; together they cover step_s,
+# which is perf/step_s: generation, scoring, the wait in the first collective after it, the update, the weight sync's
+# gathers and the engine's reload, the statistics' reduction) and what sets their cost (lengths, token counts);
+# benchmarks/weak_scaling_sim.py reads it.
+TIMING_FIELDS = ("generate_s", "score_s", "wait_s", "train_s", "sync_gather_s", "sync_reload_s", "reduce_s", "step_s",
+                 "longest_completion", "completions", "tokens", "padded_tokens", "micro_batches")
 
 
 def get_logger(rank: int) -> logging.Logger:
@@ -78,20 +87,45 @@ def _lock() -> dict[str, object]:
     return best
 
 
-def _command() -> str:
-    """The command line as typed, with the torchrun launcher when there was one."""
-    launcher = (f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')}"
-                if "TORCHELASTIC_RUN_ID" in os.environ else "python")
-    return f"{launcher} {shlex.join(sys.argv)}"
+def _launch() -> dict[str, object]:
+    """How this process was started: under torchrun, its agent's options on this node (read from the agent's command
+    line, our parent's: rendezvous flags never reach the workers' environment) and the elastic environment."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return {"command": f"python {shlex.join(sys.argv)}"}
+    env = os.environ
+    try:
+        words = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+        start = next(i for i, word in enumerate(words) if word.endswith(("torchrun", "torch.distributed.run"))) + 1
+        options, agent = words[start:words.index(sys.argv[0], start)], shlex.join(words)
+    except (OSError, StopIteration, ValueError):  # not Linux, or another launcher: what the environment tells
+        agent, options = None, ["--nnodes", env.get("GROUP_WORLD_SIZE", "?"), "--nproc_per_node",
+                                env.get("LOCAL_WORLD_SIZE", "?")]
+    return {"command": f"torchrun {shlex.join([*options, *sys.argv])}", "agent_command": agent,
+            "nnodes": int(env.get("GROUP_WORLD_SIZE", 1)), "nproc_per_node": int(env.get("LOCAL_WORLD_SIZE", 1)),
+            "node_rank": int(env.get("GROUP_RANK", 0)), "run_id": env["TORCHELASTIC_RUN_ID"],
+            "master": f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}",
+            "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT", 0))}
 
 
 # Taken at import, before any engine starts: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE.
-LAUNCH_COMMAND = _command()
+LAUNCH = _launch()
 
 
 def _devices() -> list[str]:
     return ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available()
             else [platform.processor() or platform.machine()])
+
+
+def _nodes() -> list[dict[str, object]]:
+    """Every node's hostname, devices, ranks and agent command, on rank 0 (a gather: one small object per rank)."""
+    mine = {"node_rank": LAUNCH.get("node_rank", 0), "hostname": socket.gethostname(), "devices": _devices(),
+            "agent_command": LAUNCH.get("agent_command")}  # each node may be started with its own options
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((dist.get_rank(), mine), every, dst=0)
+    nodes: dict[int, dict[str, object]] = {}
+    for rank, info in every or []:
+        nodes.setdefault(info["node_rank"], {**info, "ranks": []})["ranks"].append(rank)
+    return [nodes[k] for k in sorted(nodes)]
 
 
 class RunTracker:
@@ -105,27 +139,30 @@ class RunTracker:
         so the directory reads as one uninterrupted run."""
         self.rank, self.first_step = rank, resume_step
         self.start_time = time.time()
-        self.writer = self.metrics_file = self.perf_file = self.wandb_run = None
+        self.writer = self.metrics_file = self.perf_file = self.timings_file = self.wandb_run = None
         continued = resume_checkpoint.parent.parent if resume_checkpoint else None
         if continued is not None and not (continued / "manifest.json").is_file():
             continued = None
-        self.run_dir = Path(self._create(args, world_size, determinism, continued, resume_step) if rank == 0 else "")
+        nodes = _nodes() if dist.is_initialized() else []
+        self.run_dir = Path(self._create(args, world_size, determinism, nodes, continued, resume_step)
+                            if rank == 0 else "")
         if dist.is_initialized():
             box = [str(self.run_dir)]
             dist.broadcast_object_list(box, src=0)
             self.run_dir = Path(box[0])
 
-    def _create(self, args: object, world_size: int, determinism: dict[str, object], continued: Path | None,
-                resume_step: int) -> Path:
+    def _create(self, args: object, world_size: int, determinism: dict[str, object], nodes: list[dict[str, object]],
+                continued: Path | None, resume_step: int) -> Path:
         arg_dict = dataclasses.asdict(args)
-        launch = {"args": arg_dict, "command": LAUNCH_COMMAND, "world_size": world_size, "determinism": determinism,
-                  "versions": _versions(), "lock": _lock(), "devices": _devices(), **_git_state(),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        launch = {"args": arg_dict, "command": LAUNCH["command"], "world_size": world_size,
+                  "launch": {k: v for k, v in LAUNCH.items() if k != "command"}, "nodes": nodes,
+                  "determinism": determinism, "versions": _versions(), "lock": _lock(), "devices": _devices(),
+                  **_git_state(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if continued is not None:
             self.run_dir = continued
             manifest = json.loads((continued / "manifest.json").read_text())
             manifest.setdefault("resumed", []).append({"from_step": resume_step, **launch})
-            for name in ("metrics.jsonl", "perf.jsonl"):  # drop what the run logged after its checkpoint
+            for name in ("metrics.jsonl", "perf.jsonl", "timings.jsonl"):  # drop what came after its checkpoint
                 path = continued / name
                 if path.is_file():
                     kept = [line for line in path.read_text().splitlines(keepends=True)
@@ -155,6 +192,7 @@ class RunTracker:
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         self.perf_file = open(self.run_dir / "perf.jsonl", "a")
+        self.timings_file = open(self.run_dir / "timings.jsonl", "a")
         return self.run_dir
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -170,6 +208,16 @@ class RunTracker:
             if record:
                 file.write(json.dumps({"step": step, **record}, sort_keys=True) + "\n")
                 file.flush()
+
+    def log_timings(self, step: int, timings: dict[str, float]) -> None:
+        """A collective: this rank's TIMING_FIELDS (absent ones count 0), gathered in one fixed-size all-gather; rank
+        0 writes them as one line of timings.jsonl, a list with one entry per rank."""
+        mine = torch.tensor([float(timings.get(name, 0.0)) for name in TIMING_FIELDS], dtype=torch.float64)
+        every = all_gather_rows(mine)
+        if self.rank == 0:
+            ranks = [dict(zip(TIMING_FIELDS, row)) for row in every.tolist()]
+            self.timings_file.write(json.dumps({"step": step, "ranks": ranks}) + "\n")
+            self.timings_file.flush()
 
     def progress(self, step: int, total: int, fields: dict[str, float]) -> None:
         """A compact live line: step, the given fields, and an ETA from the average pace since this process started."""
@@ -192,5 +240,6 @@ class RunTracker:
         self.writer.close()
         self.metrics_file.close()
         self.perf_file.close()
+        self.timings_file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +21,45 @@ def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600)
     launcher = [sys.executable]
     if nproc:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1",  # no hub here: fail at once instead of retrying
-           "OMP_NUM_THREADS": "1"}  # as torchrun sets it; two threads per process crawl on a busy 2-core machine
     return subprocess.run([*launcher, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=env)
+                          env=script_env())
+
+
+def script_env() -> dict[str, str]:
+    return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",  # no hub here: fail at once instead of retrying
+            "OMP_NUM_THREADS": "1",  # as torchrun sets it; two threads per process crawl on a busy 2-core machine
+            "PYTHONPATH": str(ROOT)}  # for the workers under tests/
+
+
+def run_agents(script: str, args: list[str], nnodes: int = 2, nproc: int = 1, cwds: list[Path] | None = None,
+               timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """`nnodes` torchrun agents meeting by c10d rendezvous on 127.0.0.1, as separate nodes would (each in its own
+    directory of `cwds`, default the repo root), `nproc` workers each; the script by absolute path."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test{port}"]
+    agents = [subprocess.Popen([*launcher, str(ROOT / script), *args], cwd=cwd, env=script_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for cwd in cwds or [ROOT] * nnodes]
+    results = []
+    for agent in agents:
+        stdout, stderr = agent.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr))
+    return results
+
+
+def assert_two_node_manifest(run_dir: Path) -> None:
+    """The manifest of a run launched by run_agents: the launch, both nodes, their hostnames and agents."""
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["command"].startswith("torchrun --nnodes 2 --nproc_per_node 1 --rdzv-backend c10d")
+    assert manifest["launch"]["nnodes"] == 2 and manifest["launch"]["run_id"].startswith("test")
+    assert [node["node_rank"] for node in manifest["nodes"]] == [0, 1]
+    assert [node["hostname"] for node in manifest["nodes"]] == [socket.gethostname()] * 2
+    assert sorted(rank for node in manifest["nodes"] for rank in node["ranks"]) == [0, 1]
+    assert all("--rdzv-endpoint" in node["agent_command"] for node in manifest["nodes"])
 
 
 def only_run_dir(run_root: Path) -> Path:

@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, accuracy_windows, check, dropout_model, only_run_dir, read_metrics, run_script
+from conftest import (
+    ROOT,
+    accuracy_windows,
+    assert_two_node_manifest,
+    check,
+    dropout_model,
+    only_run_dir,
+    read_metrics,
+    run_agents,
+    run_script,
+)
 
 from dpo_online import Args, check_args, dpo_loss, implicit_rewards, preference_pairs, sequence_logprobs
 
@@ -117,7 +127,7 @@ def dpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_end_to_end_torchrun_vllm(dpo_reference_run: Path):
     manifest = json.loads((dpo_reference_run / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["versions"]["vllm"] == "0.32.0"
-    assert manifest["command"].startswith("torchrun --nproc_per_node 2 dpo_online.py")
+    assert manifest["command"].startswith("torchrun --standalone --nproc_per_node 2 dpo_online.py")
     metrics = read_metrics(dpo_reference_run)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
     for key in ("train/score", "train/chosen_score", "train/rejected_score", "train/tied_fraction",
@@ -138,9 +148,12 @@ def test_end_to_end_torchrun_vllm(dpo_reference_run: Path):
     assert all("eval/accuracy" in metrics[i] for i in (0, 2, 4))
 
 
-def test_same_seed_identical_and_different_seed_differs(dpo_reference_run: Path, tmp_path: Path):
-    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--run-root", str(tmp_path / "a")], nproc=2))
+def test_same_seed_identical_on_two_nodes_and_different_seed_differs(dpo_reference_run: Path, tmp_path: Path):
+    """The same seed launched as two nodes (two torchrun agents, c10d rendezvous) equals the one-agent run."""
+    for agent in run_agents("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--run-root", str(tmp_path / "a")]):
+        check(agent)
     again = only_run_dir(tmp_path / "a")
+    assert_two_node_manifest(again)
     assert filecmp.cmp(again / "metrics.jsonl", dpo_reference_run / "metrics.jsonl", shallow=False)
     assert final_hash(again) == final_hash(dpo_reference_run)
     check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "2", "--run-root", str(tmp_path / "b")], nproc=2))

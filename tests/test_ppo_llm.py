@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, accuracy_windows, check, only_run_dir, read_metrics, run_script
+from conftest import (
+    ROOT,
+    accuracy_windows,
+    assert_two_node_manifest,
+    check,
+    only_run_dir,
+    read_metrics,
+    run_agents,
+    run_script,
+)
 
 from ppo_llm import (
     Args,
@@ -227,7 +236,7 @@ def test_end_to_end_torchrun_vllm(ppo_reference_run: Path):
     run_dir = ppo_reference_run
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["args"]["num_minibatches"] == 2
-    assert manifest["command"].startswith("torchrun --nproc_per_node 2 ppo_llm.py --prompts-per-step 16")
+    assert manifest["command"].startswith("torchrun --standalone --nproc_per_node 2 ppo_llm.py --prompts-per-step")
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
     for key in TRAIN_KEYS:
@@ -271,9 +280,12 @@ def test_checkpoint_holds_value_model_optimizers_and_kl_coefficient(ppo_referenc
     assert "policy.optimizer.state" in stored
 
 
-def test_same_seed_gives_identical_metrics_and_weights(ppo_reference_run: Path, tmp_path: Path):
-    check(run_script("ppo_llm.py", [*ADAPTIVE_KL, "--seed", "1", "--run-root", str(tmp_path)], nproc=2))
+def test_same_seed_gives_identical_metrics_and_weights_on_two_nodes(ppo_reference_run: Path, tmp_path: Path):
+    """Launched as two nodes (two torchrun agents, c10d rendezvous), the run equals the one-agent run bit for bit."""
+    for agent in run_agents("ppo_llm.py", [*ADAPTIVE_KL, "--seed", "1", "--run-root", str(tmp_path)]):
+        check(agent)
     again = only_run_dir(tmp_path)
+    assert_two_node_manifest(again)
     assert filecmp.cmp(again / "metrics.jsonl", ppo_reference_run / "metrics.jsonl", shallow=False)
     assert final_hash(again) == final_hash(ppo_reference_run)
 

@@ -5,18 +5,31 @@ import json
 import shutil
 from pathlib import Path
 
-from conftest import SMALL_GRPO, check, dropout_model, only_run_dir, read_metrics, run_script
+from conftest import (
+    SMALL_GRPO,
+    assert_two_node_manifest,
+    check,
+    dropout_model,
+    only_run_dir,
+    read_metrics,
+    run_agents,
+    run_script,
+)
 
 
 def final_hash(run_dir: Path) -> str:
     return json.loads((run_dir / "final.json").read_text())["parameter_sha256"]
 
 
-def test_same_seed_gives_identical_metrics_and_weights(grpo_reference_run: Path, tmp_path: Path):
-    check(run_script("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(tmp_path)], nproc=2))
+def test_same_seed_gives_identical_metrics_and_weights_on_two_nodes(grpo_reference_run: Path, tmp_path: Path):
+    """The same run again, launched as two nodes would launch it (two torchrun agents of one process each, meeting by
+    c10d rendezvous), equals the one-agent run with two processes bit for bit; its manifest records the launch."""
+    for agent in run_agents("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(tmp_path)]):
+        check(agent)
     again = only_run_dir(tmp_path)
     assert filecmp.cmp(again / "metrics.jsonl", grpo_reference_run / "metrics.jsonl", shallow=False)
     assert final_hash(again) == final_hash(grpo_reference_run)
+    assert_two_node_manifest(again)
 
 
 def test_resume_equals_uninterrupted_run(grpo_reference_run: Path, tmp_path: Path):

@@ -1,0 +1,179 @@
+"""Multi-node launches and the costs that grow with the world size: torchrun agents as separate nodes (c10d rendezvous
+on 127.0.0.1), the shared-file-system check, vLLM tensor parallelism kept inside a node, token balancing, the fake
+engine and timings.jsonl."""
+
+import filecmp
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, check, only_run_dir, read_metrics, run_agents, script_env
+
+from common.batching import balanced_partition, contiguous_pieces
+
+# The fake engine (no vLLM): lognormal lengths, sleep tau0 x the longest; small enough for 4 ranks on 2 cores
+FAKE = ["--rollout-engine", "fake", "--fake-tau0-s", "0.005", "--fake-median-length", "12",
+        "--fake-length-sigma", "1.0", "--max-completion-length", "64", "--prompts-per-step", "16",
+        "--num-generations", "4", "--micro-batch-size", "8", "--total-steps", "3", "--eval-every", "0",
+        "--num-eval-prompts", "16"]
+
+
+def worker_exit_codes(result: subprocess.CompletedProcess) -> list[int]:
+    """The exit codes torchrun's failure table reports for its workers."""
+    return [int(code) for code in re.findall(r"^\s*exitcode\s+:\s*(-?\d+)", result.stderr, re.M)]
+
+
+def test_a_node_that_does_not_share_the_run_root_stops_every_rank_fast(tmp_path: Path):
+    """The second agent starts in another directory, so the relative --run-root is another directory on it: both
+    ranks stop with the shared-file-system message, exit 2, instead of failing later at a checkpoint or resume."""
+    elsewhere = tmp_path / "node1"
+    elsewhere.mkdir()
+    started = time.time()
+    results = run_agents("grpo_llm.py", [*FAKE, "--run-root", "runs_shared_fs_test"], cwds=[tmp_path, elsewhere],
+                         timeout=120)
+    elapsed = time.time() - started
+    for result in results:
+        assert result.returncode != 0
+        assert "is not one shared file system for all ranks: rank(s) [1] do not see the file" in result.stderr
+        assert worker_exit_codes(result) == [2], result.stderr[-2000:]
+    assert elapsed < 60, elapsed  # 5 s of looking plus start-up; a hang would run into the 120 s timeout
+    assert [p.name for p in (tmp_path / "runs_shared_fs_test").iterdir()] == []  # the token is gone
+    assert not (elsewhere / "runs_shared_fs_test").exists()
+
+
+def test_vllm_tensor_parallel_groups_never_span_nodes(tmp_path: Path):
+    """Two single-process agents with --vllm-tp 2 would make one group of the two nodes: refused on both, before any
+    engine or process group starts. (One agent with two processes and --vllm-tp 2 runs: test_grpo_llm.py.)"""
+    results = run_agents("grpo_llm.py", ["--vllm-tp", "2", "--rollout-engine", "vllm", "--run-root", str(tmp_path)],
+                         timeout=120)
+    for result in results:
+        assert "--vllm-tp 2 would put a tensor-parallel group across nodes: each node runs 1 rank(s)" in result.stderr
+        assert result.returncode != 0 and set(worker_exit_codes(result)) <= {2}
+    # an agent whose worker exits before the rendezvous settles may leave torchrun's table out
+    assert 2 in worker_exit_codes(results[0]) + worker_exit_codes(results[1])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_balanced_partition_by_hand():
+    assert balanced_partition([5, 1, 1, 1, 4, 3, 2, 2], 2) == [[0, 3, 6, 7], [1, 2, 4, 5]]  # 10 and 9
+    skewed = [100, 90, 80] + [10] * 6 + [3] * 40  # one rank drew the long tail
+    parts = balanced_partition(skewed, 4)
+    loads = [sum(skewed[i] for i in part) for part in parts]
+    assert max(loads) <= 1.1 * sum(loads) / 4
+    assert sorted(i for part in parts for i in part) == list(range(len(skewed)))
+
+
+def test_contiguous_pieces_by_hand():
+    assert contiguous_pieces([1] * 6, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert contiguous_pieces([10, 1, 1, 1], 3) == [[0], [1], [2, 3]]
+    assert contiguous_pieces([1, 1, 1, 10], 3) == [[0, 1], [2], [3]]  # never fewer items left than pieces to fill
+
+
+@pytest.fixture(scope="module")
+def balance_summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("balance") / "summary.json"
+    check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "tests/balance_worker.py", str(out)], cwd=ROOT, env=script_env(), capture_output=True,
+                         text=True, timeout=300))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("layout", ["padded", "shared"])
+def test_token_balancing_moves_rows_not_the_loss(balance_summary: dict, layout: str):
+    """Hand-skewed rollouts (rank 0: completions of 20-40 tokens, rank 1: 3-6): after balancing every rank holds
+    nearly the mean, every row arrives exactly once with its logprobs and advantage, both ranks run the same number
+    of micro-batches, and GRPO's loss and gradient norm are the unbalanced ones up to summation order; balancing
+    twice gives the same gradient bits."""
+    result = balance_summary[layout]
+    before = [tokens[0] for tokens in result["tokens_per_rank"]]
+    after = [tokens[1] for tokens in result["tokens_per_rank"]]
+    assert max(before) > 2 * min(before)  # the skew is real
+    assert sum(after) == sum(before) and max(after) <= 1.1 * sum(after) / len(after)
+    assert result["same_rows"]
+    assert len(set(result["micro_batches_per_rank"])) == 1
+    unbalanced, balanced = result["unbalanced"], result["balanced"]
+    # float32 sums in another order: measured 6e-8 relative on the loss, 3e-7 on the norm
+    assert balanced["loss"] == pytest.approx(unbalanced["loss"], rel=1e-5)
+    assert balanced["grad_norm"] == pytest.approx(unbalanced["grad_norm"], rel=1e-5)
+    assert balanced["gradient_sha256"] == result["balanced_again"]["gradient_sha256"]
+
+
+@pytest.fixture(scope="module")
+def fake_balanced_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GRPO with the fake engine and token balancing to a token budget, launched as two nodes of one process."""
+    run_root = tmp_path_factory.mktemp("fake_balanced")
+    for agent in run_agents("grpo_llm.py", [*FAKE, "--balance-tokens", "--micro-batch-tokens", "300",
+                                            "--run-root", str(run_root)]):
+        check(agent)
+    return only_run_dir(run_root)
+
+
+def test_timings_cover_each_rank_s_step(fake_balanced_run: Path):
+    """timings.jsonl: one line per step with every rank's phases; they add up to within 10% of perf/step_s (each is
+    its own measured span, so a phase left out shows here), and the counts are the batch's."""
+    lines = read_metrics(fake_balanced_run, "timings.jsonl")
+    perf = {m["step"]: m for m in read_metrics(fake_balanced_run, "perf.jsonl")}
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        assert len(line["ranks"]) == 2
+        for rank in line["ranks"]:
+            phases = sum(rank[name] for name in ("generate_s", "score_s", "wait_s", "train_s", "sync_gather_s",
+                                                 "sync_reload_s", "reduce_s"))
+            assert 0.9 * rank["step_s"] <= phases <= rank["step_s"], rank
+            assert 1 <= rank["longest_completion"] <= 64 and rank["tokens"] <= rank["padded_tokens"]
+            assert rank["generate_s"] >= 0.005 * rank["longest_completion"]  # the fake engine's sleep
+            assert rank["micro_batches"] >= 1 and rank["sync_gather_s"] > 0
+        assert line["ranks"][0]["step_s"] == pytest.approx(perf[line["step"]]["perf/step_s"], abs=1e-9)
+        assert line["ranks"][0]["micro_batches"] == line["ranks"][1]["micro_batches"]  # the lock step
+        tokens = [rank["tokens"] for rank in line["ranks"]]
+        assert max(tokens) <= 1.1 * sum(tokens) / 2  # balanced
+
+
+def test_fake_engine_lengths_follow_their_lognormal(fake_balanced_run: Path):
+    """Median 12, sigma 1: about half the completions are longer than 12 tokens, and the longest per rank and step
+    reaches far beyond (the tail that the max over ranks feels)."""
+    metrics = read_metrics(fake_balanced_run)
+    mean_length = sum(m["train/completion_length"] for m in metrics[1:]) / 3
+    assert 12 < mean_length < 12 * math.exp(0.5) * 1.3  # lognormal mean exp(mu + sigma^2 / 2), capped at 64
+    longest = [rank["longest_completion"] for line in read_metrics(fake_balanced_run, "timings.jsonl")
+               for rank in line["ranks"]]
+    assert max(longest) > 3 * 12
+
+
+# PPO with the fake engine: its value model gives every step a real gradient although random tokens score 0
+FAKE_PPO = ["--rollout-engine", "fake", "--fake-median-length", "6", "--max-completion-length", "16",
+            "--prompts-per-step", "16", "--num-generations", "2", "--total-steps", "2", "--eval-every", "0",
+            "--num-eval-prompts", "16"]
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two agents x two processes: HSDP (the default shard size, the ranks of a node: 2) twice, and the flat mesh."""
+    runs = {}
+    for name, shard in (("hsdp", "0"), ("hsdp_again", "2"), ("flat", "4")):
+        run_root = tmp_path_factory.mktemp(name)
+        for agent in run_agents("ppo_llm.py", [*FAKE_PPO, "--fsdp-shard-size", shard, "--run-root", str(run_root)],
+                                nproc=2):
+            check(agent)
+        runs[name] = only_run_dir(run_root)
+    return runs
+
+
+def test_hsdp_across_two_nodes_is_reproducible_and_equals_the_flat_mesh(hsdp_runs: dict[str, Path]):
+    """Shard within a node, replicate across nodes: the same bits twice, and the flat mesh's losses and gradient
+    norms up to the order of float32 sums (measured: 1e-7 relative at the worker level, tests/test_sharding.py)."""
+    hsdp, again, flat = (read_metrics(hsdp_runs[name]) for name in ("hsdp", "hsdp_again", "flat"))
+    assert filecmp.cmp(hsdp_runs["hsdp"] / "metrics.jsonl", hsdp_runs["hsdp_again"] / "metrics.jsonl", shallow=False)
+    final = {name: json.loads((run / "final.json").read_text())["parameter_sha256"] for name, run in hsdp_runs.items()}
+    assert final["hsdp"] == final["hsdp_again"]
+    assert hsdp == again
+    for mesh, flat_mesh in zip(hsdp[1:], flat[1:]):
+        for key in ("train/loss", "train/value_loss", "train/grad_norm", "train/value_grad_norm"):
+            assert mesh[key] == pytest.approx(flat_mesh[key], rel=1e-4), key
+        assert mesh["train/grad_norm"] > 0 and mesh["train/value_grad_norm"] > 0
+    assert json.loads((hsdp_runs["flat"] / "manifest.json").read_text())["args"]["fsdp_shard_size"] == 4
