@@ -1,0 +1,476 @@
+"""Weak scaling of one synchronous RL step, predicted by a model (not measured): T(N) per phase and the efficiency
+T(N0) / T(N) for N = 1 ... 1,024 GPUs, N0 = 1 and 8, for today's design and with each fix on or off.
+
+The layout is colocated: every rank generates with its own engine, then all ranks train in FSDP lock step, then the
+weights sync into every engine. The per-GPU workload is fixed (weak scaling), so a perfect system keeps T(N) = T(1).
+
+    python benchmarks/weak_scaling_sim.py                                  # H100 and H200 x both workloads
+    python benchmarks/weak_scaling_sim.py --out benchmarks/results/weak_scaling        # + tables.md, CSV, PNG
+    python benchmarks/weak_scaling_sim.py --constants benchmarks/scaling_constants/h200.json --lognormal 600 0.8 4096
+    python benchmarks/weak_scaling_sim.py --timings runs/<run>/timings.jsonl \\
+        --constants benchmarks/scaling_constants/cpu_2core.json --machines 2          # predicted vs measured
+
+Inputs. Hardware constants come from a JSON file, one {"value": ..., "source": "..."} per constant (a datasheet, our
+own measurement, or a stated assumption; an entry without a source is refused). Completion lengths are drawn per
+step from a lognormal (median, sigma), rounded up to whole tokens and capped; every configuration sees the same draws,
+numpy's generator seeded with (seed, N), averaged over --steps simulated steps. The model is Qwen2.5-7B (QWEN25_7B).
+
+The model, per step (each phase waits for its slowest rank, as a synchronous design does):
+- collective over g GPUs on n nodes, a ring priced as NCCL's tuning model prices one: a base latency + (g - n) hops
+  x NVLink latency + (n - 1) hops x InfiniBand latency + B (g - 1) / g / bandwidth, B the gathered bytes, bandwidth
+  per direction of the slowest link (NVLink inside a node of `gpus_per_node`, InfiniBand once the group spans
+  nodes). An all-to-all costs the same with B = one rank's bytes; an all-reduce costs two.
+- generation: decode step k of rank r costs max(W / HBM, n_live(k) x 2 P_m / F) + KV_live(k) / HBM: the bf16
+  weights W = 2 P_m are read once per step, the KV cache (2 x layers x kv_heads x head_dim x 2 bytes per token) of
+  every live sequence is read too; plus the prefill of the rank's prompts (2 P_m x tokens / F, each prompt once:
+  prefix caching). The rank runs as many decode steps as its longest completion; the step waits for max over ranks.
+- balance (fix "balance"): an all-gather of every completion's length and an all-to-all of the token data (12 bytes
+  a token: id and engine logprob), then every rank holds about the same tokens (see balanced_rank_tokens).
+- training: micro-batches; each costs max(the slowest rank's compute, FSDP's communication), the two overlapping as
+  FSDP2 prefetches the next block's all-gather during this block's compute. Compute = (6 + 2 x forward-only passes)
+  x P_m x tokens (padding included) / (F x train_efficiency). Communication per micro-batch, per FSDP unit (28
+  blocks + the root): a bf16 all-gather in the forward, again in the backward (--reshard-after-forward, as the GPU
+  commands run), one per forward-only pass, and a float32 reduce-scatter of the gradients, over the whole mesh
+  (today) or inside the node (fix "hsdp", whose replicas then all-reduce the float32 gradient shards across nodes
+  once per step). Today each rank trains its own completions in micro-batches of 8 rows, padded to their longest
+  row; with "balance" the rows are packed (no padding) into micro-batches of the same token budget (8 x (prompt +
+  cap): what today's micro-batch must hold at worst), as many on every rank as the fullest rank needs.
+- bookkeeping: 10 latency-bound collectives over the whole mesh (scores, counts, gradient norm, statistics), each a
+  ring of N - 1 hops; 3 with the fix "fewer_collectives" (statistics reduced by name in one dict). A ring throughout:
+  NCCL may pick a tree (log2 N hops) for small all-reduces, so this errs on the slow side.
+- weight sync: today one all-gather per state tensor (339) over the whole mesh, the bf16 bytes once; with the fix
+  "bucketed_sync" one per 256 MiB bucket, however many tensors. Either gathers over the shard group: the whole mesh,
+  or the node with "hsdp" (every node holds a full replica). Then the engine's reload: the bf16 bytes read and
+  written once in HBM (2 W / HBM).
+Not modelled: AdamW (28 bytes of HBM traffic per parameter of the shard: about 50 ms at N = 1, less when sharded),
+attention FLOPs (about +10% of the training compute at 16k tokens), recomputation under gradient checkpointing (+1/3),
+vLLM's scheduler and preemption, the engine's sleep and wake, scoring, logging and evaluation (a fixed cost per step,
+unknown on GPUs: it would raise every efficiency), memory (7B does not train on one GPU, and 64 sequences of 16k
+tokens need 66 GB of KV cache: N = 1 is the arithmetic reference), network contention, stragglers other than length.
+
+Timings mode (--timings) predicts the mean step time of a run on the CPU test bed (fake engine: generation is a
+sleep of tau0 per token of the longest completion) from its own `timings.jsonl` (one line per step from rank 0:
+{"step", "ranks": [{"longest_completion", "padded_tokens", "micro_batches", ... measured seconds}, ...]}), using the
+per-rank lengths and token counts only, never the measured seconds, and prints predicted against measured per phase.
+Steps after the first are used (the first pays warm-up). The constants file (benchmarks/scaling_constants/
+cpu_2core.json, calibrated from a 2-rank run) carries these keys, each {"value", "source"}:
+    decode_step_s             tau0: seconds per token of a rank's longest completion (the fake engine's sleep)
+    train_s_per_padded_token  trainer seconds per token of the rank's micro-batches, padding included
+    train_s_per_micro_batch   trainer seconds per micro-batch (FSDP's collectives, optimizer share, launch)
+    sync_s                    weight sync seconds per step (gather and reload)
+    step_overhead_s           fixed seconds per step (scoring, the statistics' reduction; waiting for the slowest
+                              generator is not in it: the generation phase's max over ranks is that wait)
+    cores                     CPU cores per machine
+Prediction: max_r tau0 x longest_r + contention x (max_r (padded_tokens_r x train_s_per_padded_token +
+micro_batches_r x train_s_per_micro_batch) + sync_s + step_overhead_s), contention = max(1, ranks per machine / cores):
+every phase but the sleep computes on the shared cores.
+"""
+
+import argparse
+import csv
+import json
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+CONSTANTS_DIR = ROOT / "benchmarks" / "scaling_constants"
+WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+FIXES = ("balance", "hsdp", "fewer_collectives", "bucketed_sync")
+CONFIGS = {"today": frozenset(), **{f"+{fix}": frozenset({fix}) for fix in FIXES}, "all fixes": frozenset(FIXES)}
+PHASES = ("generation", "balance", "training", "bookkeeping", "sync_gather", "sync_reload")
+BOOKKEEPING_COLLECTIVES = {"today": 10, "fewer_collectives": 3}
+SYNC_BUCKET_BYTES = 256 * 2**20  # common/models.py's bucket
+BALANCE_BYTES_PER_TOKEN = 12  # int64 token id + float32 engine logprob
+
+
+@dataclass(frozen=True)
+class Model:
+    parameters: float  # what FSDP gathers and reduces and the sync moves
+    matmul_parameters: float  # all but the input embedding (a lookup): 2 FLOPs per token each, forward
+    layers: int
+    kv_heads: int
+    head_dim: int
+    state_tensors: int  # today's sync gathers each one by itself
+
+
+# Hugging Face config of Qwen/Qwen2.5-7B: 28 layers, hidden 3584, MLP 18944, 28 query / 4 KV heads of 128, vocab
+# 152,064, untied head; parameters computed from it (7.616e9; the model card says 7.61B); 28 x 12 + 3 state tensors.
+QWEN25_7B = Model(parameters=7.62e9, matmul_parameters=7.07e9, layers=28, kv_heads=4, head_dim=128,
+                  state_tensors=339)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    median: float  # completion length, tokens
+    sigma: float  # of log(length)
+    cap: int  # --max-completion-length
+    prompts: int = 8  # per GPU
+    generations: int = 8  # completions per prompt
+    prompt_tokens: int = 200
+    micro_batch_rows: int = 8  # today's --micro-batch-size in benchmarks/README.md's GPU commands
+    forward_passes: int = 0  # forward-only passes per micro-batch (GRPO at --beta 0: none; a reference adds one)
+
+    @property
+    def completions(self) -> int:
+        return self.prompts * self.generations
+
+
+WORKLOADS = {"short": Workload("short", 600, 0.8, 4096), "long_tail": Workload("long_tail", 2000, 0.7, 16384)}
+
+
+def load_constants(path: Path) -> dict[str, float]:
+    """{name: value} of a constants file whose every entry is {"value": ..., "source": "..."}."""
+    entries = json.loads(Path(path).read_text())
+    unsourced = [name for name, entry in entries.items() if not str(entry.get("source", "")).strip()]
+    if unsourced:
+        raise ValueError(f"{path}: every constant needs a source; these have none: {unsourced}")
+    return {name: float(entry["value"]) for name, entry in entries.items()}
+
+
+# ---------------------------------------------------------------- lengths
+def draw_lengths(workload: Workload, ranks: int, steps: int, rng: np.random.Generator) -> np.ndarray:
+    """[steps, ranks, completions] completion lengths in tokens: lognormal, rounded up, capped."""
+    shape = (steps, ranks, workload.completions)
+    lengths = np.ceil(rng.lognormal(math.log(workload.median), workload.sigma, shape))
+    return np.minimum(lengths, workload.cap)
+
+
+def expected_longest(median: float, sigma: float, n: int) -> float:
+    """E[max of n iid lognormal(log median, sigma)], uncapped: the quantile at Hazen's plotting position (n - 1/2) / n.
+    Against numerical integration it is within 3% for sigma <= 0.8 when n >= 64 and for sigma <= 0.7 when n >= 8.
+    Blom's (n - 3/8) / (n + 1/4), right for the maximum of normals, is 4-11% low here: E[exp(M)] > exp(E[M])."""
+    return median * math.exp(sigma * statistics.NormalDist().inv_cdf((n - 0.5) / n))
+
+
+# ---------------------------------------------------------------- collectives
+def nodes_spanned(constants: dict[str, float], ranks: int) -> int:
+    """Nodes under a group of `ranks` consecutive GPUs."""
+    return math.ceil(ranks / constants["gpus_per_node"])
+
+
+def collective_s(gathered_bytes: float, ranks: int, nodes: int, constants: dict[str, float], count: int = 1) -> float:
+    """`count` ring all-gathers (or reduce-scatters) over `ranks` GPUs on `nodes` nodes moving `gathered_bytes` in
+    all, priced as NCCL's tuning model prices a ring: a base latency, (ranks - nodes) steps inside nodes and
+    (nodes - 1) across them, and each GPU's share of the bytes through the slowest link."""
+    if ranks == 1:
+        return 0.0
+    latency = (constants["collective_base_latency"] + (ranks - nodes) * constants["nvlink_latency"]
+               + (nodes - 1) * constants["ib_latency"])
+    bandwidth = constants["ib_bandwidth"] if nodes > 1 else constants["nvlink_bandwidth"]
+    return count * latency + gathered_bytes * (ranks - 1) / ranks / bandwidth
+
+
+def shard_group(constants: dict[str, float], ranks: int, fixes: frozenset[str]) -> int:
+    """GPUs a parameter is sharded over: the whole mesh, or the node with HSDP."""
+    return min(ranks, int(constants["gpus_per_node"])) if "hsdp" in fixes else ranks
+
+
+# ---------------------------------------------------------------- phases
+def generation_s(lengths: np.ndarray, workload: Workload, model: Model, constants: dict[str, float]) -> np.ndarray:
+    """[steps, ranks] seconds of each rank's rollout: prefill, then one decode step per token of its longest."""
+    hbm, flops = constants["hbm_bandwidth"], constants["matmul_flops"]
+    weight_read = 2 * model.matmul_parameters / hbm
+    per_sequence = 2 * model.matmul_parameters / flops
+    kv_bytes_per_token = 2 * model.layers * model.kv_heads * model.head_dim * 2
+    longest_first = -np.sort(-lengths, axis=-1)
+    # between the j-th and the (j+1)-th longest completion, j sequences are live
+    shorter = np.concatenate([longest_first[..., 1:], np.zeros_like(longest_first[..., :1])], axis=-1)
+    live = np.arange(1, lengths.shape[-1] + 1)
+    decode = ((longest_first - shorter) * np.maximum(weight_read, live * per_sequence)).sum(-1)
+    # sequence of length L reads sum over k = 1..L of (prompt + k) cached tokens
+    cached_tokens = (workload.prompt_tokens * lengths + lengths * (lengths + 1) / 2).sum(-1)
+    prefill = 2 * model.matmul_parameters * workload.prompts * workload.prompt_tokens / flops
+    return prefill + decode + cached_tokens * kv_bytes_per_token / hbm
+
+
+def padded_micro_batches(lengths: np.ndarray, workload: Workload) -> list[np.ndarray]:
+    """Today, per step: each micro-batch's tokens on its slowest rank, rows padded to the longest in the batch."""
+    rows = workload.micro_batch_rows
+    padded = [rows_slice.shape[-1] * (workload.prompt_tokens + rows_slice.max(-1))
+              for rows_slice in (lengths[..., start:start + rows] for start in range(0, lengths.shape[-1], rows))]
+    return list(np.stack(padded, axis=-1).max(axis=1))  # [steps] of [micro-batches], max over ranks
+
+
+def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int) -> np.ndarray:
+    """[steps, ranks] tokens per rank once the step's completions are redistributed: each round hands the next `ranks`
+    longest rows to the ranks in order of load, lightest first (greedy longest-first, as the fix's partition,
+    common/batching.py's balanced_partition; at 64 rows per rank it leaves every rank within 1% of the mean)."""
+    steps, ranks, _ = lengths.shape
+    rows = -np.sort(-(lengths.reshape(steps, -1) + prompt_tokens), axis=1)
+    loads = np.zeros((steps, ranks))
+    step_index = np.arange(steps)[:, None]
+    for start in range(0, rows.shape[1], ranks):
+        chunk = rows[:, start:start + ranks]
+        lightest = np.argsort(loads, axis=1, kind="stable")[:, :chunk.shape[1]]
+        loads[step_index, lightest] += chunk
+    return loads
+
+
+def packed_micro_batches(lengths: np.ndarray, workload: Workload) -> list[np.ndarray]:
+    """With "balance", per step: each micro-batch's tokens on its slowest rank, rows packed to the token budget."""
+    budget = workload.micro_batch_rows * (workload.prompt_tokens + workload.cap)
+    fullest = balanced_rank_tokens(lengths, workload.prompt_tokens).max(axis=1)
+    return [np.full(math.ceil(tokens / budget), tokens / math.ceil(tokens / budget)) for tokens in fullest]
+
+
+def fsdp_comm_s(model: Model, constants: dict[str, float], ranks: int, fixes: frozenset[str], forward_passes: int
+                ) -> tuple[float, float]:
+    """(per micro-batch, per step) seconds of FSDP's collectives: every FSDP unit's all-gathers (bf16) and gradient
+    reduce-scatter (float32) over the shard group; with HSDP also the replicas' all-reduce across nodes, once."""
+    group = shard_group(constants, ranks, fixes)
+    group_nodes, units = nodes_spanned(constants, group), model.layers + 1
+    all_gathers = 2 + forward_passes  # forward, backward again, forward-only passes
+    per_micro_batch = (all_gathers * collective_s(2 * model.parameters, group, group_nodes, constants, units)
+                       + collective_s(4 * model.parameters, group, group_nodes, constants, units))
+    replicas = math.ceil(ranks / group)  # with HSDP one GPU per node in each replica group; without, 1
+    per_step = 2 * collective_s(4 * model.parameters / group, replicas, replicas, constants, units)
+    return per_micro_batch, per_step
+
+
+def training_s(micro_batches: list[np.ndarray], workload: Workload, model: Model, constants: dict[str, float],
+               ranks: int, fixes: frozenset[str], overlap: bool = True) -> float:
+    """Mean seconds of the update over the steps: micro-batches in lock step, then the replicas' all-reduce.
+    `overlap`: FSDP's communication hides under the compute (max of the two); otherwise they add."""
+    flops = constants["matmul_flops"] * constants["train_efficiency"]
+    seconds_per_token = (6 + 2 * workload.forward_passes) * model.matmul_parameters / flops
+    per_micro_batch, per_step = fsdp_comm_s(model, constants, ranks, fixes, workload.forward_passes)
+    combine = np.maximum if overlap else np.add
+    lock_step = [combine(tokens * seconds_per_token, per_micro_batch).sum() for tokens in micro_batches]
+    return float(np.mean(lock_step)) + per_step
+
+
+def balance_s(ranks: int, workload: Workload, mean_rank_tokens: float, constants: dict[str, float]) -> float:
+    nodes = nodes_spanned(constants, ranks)
+    lengths_gather = collective_s(8 * ranks * workload.completions, ranks, nodes, constants)
+    # an all-to-all of B bytes per rank costs what an all-gather of B in all does: B (N - 1) / N through each link
+    tokens_all_to_all = collective_s(BALANCE_BYTES_PER_TOKEN * mean_rank_tokens, ranks, nodes, constants)
+    return lengths_gather + tokens_all_to_all
+
+
+def bookkeeping_s(ranks: int, constants: dict[str, float], fixes: frozenset[str]) -> float:
+    count = BOOKKEEPING_COLLECTIVES["fewer_collectives" if "fewer_collectives" in fixes else "today"]
+    return collective_s(0.0, ranks, nodes_spanned(constants, ranks), constants, count)
+
+
+def weight_sync_s(model: Model, constants: dict[str, float], ranks: int, fixes: frozenset[str]) -> tuple[float, float]:
+    """(gather, reload) seconds of streaming the bf16 weights into the engine."""
+    weight_bytes = 2 * model.parameters
+    collectives = math.ceil(weight_bytes / SYNC_BUCKET_BYTES) if "bucketed_sync" in fixes else model.state_tensors
+    group = shard_group(constants, ranks, fixes)
+    gather = collective_s(weight_bytes, group, nodes_spanned(constants, group), constants, collectives)
+    return gather, 2 * weight_bytes / constants["hbm_bandwidth"]
+
+
+def simulate(constants: dict[str, float], workload: Workload, model: Model = QWEN25_7B,
+             world_sizes: tuple[int, ...] = WORLD_SIZES, steps: int = 32, seed: int = 1, overlap: bool = True
+             ) -> dict[str, dict[int, dict[str, float]]]:
+    """{configuration: {N: {phase: mean seconds, "step": their sum, "longest": mean longest completion}}}."""
+    results: dict[str, dict[int, dict[str, float]]] = {config: {} for config in CONFIGS}
+    for ranks in world_sizes:
+        lengths = draw_lengths(workload, ranks, steps, np.random.default_rng([seed, ranks]))
+        generation = float(generation_s(lengths, workload, model, constants).max(axis=1).mean())
+        micro_batches = {False: padded_micro_batches(lengths, workload), True: packed_micro_batches(lengths, workload)}
+        mean_rank_tokens = float((lengths + workload.prompt_tokens).sum(-1).mean())
+        for config, fixes in CONFIGS.items():
+            gather, reload = weight_sync_s(model, constants, ranks, fixes)
+            phases = {"generation": generation,
+                      "balance": balance_s(ranks, workload, mean_rank_tokens, constants) if "balance" in fixes else 0.0,
+                      "training": training_s(micro_batches["balance" in fixes], workload, model, constants, ranks,
+                                             fixes, overlap),
+                      "bookkeeping": bookkeeping_s(ranks, constants, fixes), "sync_gather": gather,
+                      "sync_reload": reload}
+            results[config][ranks] = {**phases, "step": sum(phases.values()),
+                                      "longest": float(lengths.max(axis=(1, 2)).mean())}
+    return results
+
+
+def efficiency(per_size: dict[int, dict[str, float]], base: int) -> dict[int, float]:
+    """T(base) / T(N) for N >= base (weak scaling)."""
+    return {n: per_size[base]["step"] / row["step"] for n, row in per_size.items() if n >= base and base in per_size}
+
+
+# ---------------------------------------------------------------- timings mode (CPU test bed, fake engine)
+def read_timings(path: Path) -> list[dict]:
+    """The records of timings.jsonl after the first step (which pays one-off warm-up)."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    first = min(record["step"] for record in records)
+    return [record for record in records if record["step"] > first]
+
+
+def predict_record(record: dict, constants: dict[str, float], machines: int = 1) -> dict[str, float]:
+    """Predicted seconds per phase of one step from its per-rank lengths and token counts (see the docstring)."""
+    ranks = record["ranks"]
+    contention = max(1.0, math.ceil(len(ranks) / machines) / constants["cores"])
+    train = max(rank["padded_tokens"] * constants["train_s_per_padded_token"]
+                + rank["micro_batches"] * constants["train_s_per_micro_batch"] for rank in ranks)
+    phases = {"generate": constants["decode_step_s"] * max(rank["longest_completion"] for rank in ranks),
+              "train": contention * train, "sync": contention * constants["sync_s"],
+              "other": contention * constants["step_overhead_s"]}
+    return {**phases, "step": sum(phases.values())}
+
+
+def measured_record(record: dict) -> dict[str, float]:
+    """The same phases as measured (slowest rank; the step as rank 0 logged it)."""
+    ranks = record["ranks"]
+    return {"generate": max(rank["generate_s"] for rank in ranks), "train": max(rank["train_s"] for rank in ranks),
+            "sync": max(rank["sync_gather_s"] + rank["sync_reload_s"] for rank in ranks),
+            "other": max(rank["score_s"] + rank["reduce_s"] for rank in ranks),
+            "step": ranks[0]["step_s"]}
+
+
+def predict_mean_step_s(records: list[dict], constants: dict[str, float], machines: int = 1) -> float:
+    """Predicted mean step time over `records` (parsed timings.jsonl lines)."""
+    return statistics.mean(predict_record(record, constants, machines)["step"] for record in records)
+
+
+def timings_report(records: list[dict], constants: dict[str, float], machines: int) -> str:
+    predicted = [predict_record(record, constants, machines) for record in records]
+    measured = [measured_record(record) for record in records]
+    lines = [f"{len(records)} steps, {len(records[0]['ranks'])} ranks on {machines} machine(s)", "",
+             "| phase | predicted s | measured s | predicted / measured |", "|---|---|---|---|"]
+    for phase in predicted[0]:
+        guess = statistics.mean(p[phase] for p in predicted)
+        seen = statistics.mean(m[phase] for m in measured)
+        lines.append(f"| {phase} | {guess:.4f} | {seen:.4f} | {guess / seen if seen else float('nan'):.3f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- tables, CSV, plot
+def efficiency_table(results: dict[str, dict[int, dict[str, float]]], base: int) -> str:
+    sizes = [n for n in next(iter(results.values())) if n >= base]
+    lines = [f"| efficiency from {base} | " + " | ".join(map(str, sizes)) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for config, per_size in results.items():
+        scaled = efficiency(per_size, base)
+        lines.append(f"| {config} | " + " | ".join(f"{scaled[n]:.2f}" for n in sizes) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(per_size: dict[int, dict[str, float]]) -> str:
+    """Seconds per phase against N, the efficiencies, and the tail: mean longest completion of the step."""
+    from_1, from_8 = efficiency(per_size, 1), efficiency(per_size, 8)
+    lines = ["| N | " + " | ".join(PHASES) + " | step | eff. from 1 | eff. from 8 | longest completion |",
+             "|---" * (len(PHASES) + 5) + "|"]
+    for n, row in per_size.items():
+        cells = [f"{row[phase]:.3f}" for phase in (*PHASES, "step")]
+        cells += [f"{from_1[n]:.2f}" if n in from_1 else "", f"{from_8[n]:.2f}" if n in from_8 else "",
+                  f"{row['longest']:.0f}"]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(hardware: str, workload: Workload, results: dict[str, dict[int, dict[str, float]]]) -> str:
+    title = (f"## {hardware}, workload {workload.name} (lognormal median {workload.median:g}, sigma "
+             f"{workload.sigma:g}, cap {workload.cap:,}; {workload.prompts} x {workload.generations} completions of "
+             f"{workload.prompt_tokens}-token prompts per GPU)")
+    ranks = sorted(next(iter(results.values())))
+    tail = ", ".join(f"N = {n}: {expected_longest(workload.median, workload.sigma, n * workload.completions):,.0f}"
+                     for n in (ranks[0], ranks[-1]))
+    parts = [title, "Model prediction, not a measurement. Seconds per step.", efficiency_table(results, 1),
+             efficiency_table(results, 8),
+             f"Expected longest of the step's N x {workload.completions} completions without the cap (Hazen): {tail}."]
+    parts += [f"### {config}\n\n" + phase_table(per_size) for config, per_size in results.items()]
+    return "\n\n".join(parts)
+
+
+def write_csv(path: Path, rows: list[tuple[str, str, dict[str, dict[int, dict[str, float]]]]]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["hardware", "workload", "config", "N", *PHASES, "step_s", "efficiency_from_1",
+                         "efficiency_from_8", "longest_completion"])
+        for hardware, workload_name, results in rows:
+            for config, per_size in results.items():
+                from_1, from_8 = efficiency(per_size, 1), efficiency(per_size, 8)
+                for n, row in per_size.items():
+                    writer.writerow([hardware, workload_name, config, n, *(f"{row[p]:.6f}" for p in PHASES),
+                                     f"{row['step']:.6f}", f"{from_1.get(n, float('nan')):.4f}",
+                                     f"{from_8.get(n, float('nan')):.4f}", f"{row['longest']:.1f}"])
+
+
+def plot(path: Path, rows: list[tuple[str, str, dict[str, dict[int, dict[str, float]]]]]) -> bool:
+    """Efficiency from 1 GPU (top) and from 8 (bottom) against N, one column per (hardware, workload); False when
+    matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(2, len(rows), figsize=(4.2 * len(rows), 7), sharex=True, sharey=True, squeeze=False)
+    styles = ["-", "--", ":", "-.", (0, (5, 1)), "-"]  # several configurations coincide: keep each one visible
+    for column, (hardware, workload_name, results) in enumerate(rows):
+        for row, base in enumerate((1, 8)):
+            axis = axes[row][column]
+            for style, (config, per_size) in zip(styles, results.items()):
+                scaled = efficiency(per_size, base)
+                axis.plot(list(scaled), list(scaled.values()), linestyle=style, marker="o", markersize=3, label=config)
+            axis.set_xscale("log", base=2)
+            axis.set_title(f"{hardware}, {workload_name}: from {base} GPU{'s' if base > 1 else ''}", fontsize=10)
+            axis.set_xlabel("GPUs")
+            axis.grid(alpha=0.3)
+    for row, base in enumerate((1, 8)):
+        axes[row][0].set_ylabel(f"predicted T({base}) / T(N)")
+    axes[0][-1].legend(fontsize=8)
+    figure.suptitle("Weak scaling of one GRPO step, Qwen2.5-7B: model prediction, not a measurement", fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--constants", type=Path, nargs="+",
+                        help="constants files, one hardware each (default: h100.json and h200.json in "
+                             "benchmarks/scaling_constants); with --timings, the CPU test bed's")
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["short", "long_tail"])
+    parser.add_argument("--lognormal", type=float, nargs=3, metavar=("MEDIAN", "SIGMA", "CAP"),
+                        help="one workload of these completion lengths instead of --workloads")
+    parser.add_argument("--forward-passes", type=int, default=0,
+                        help="forward-only passes per micro-batch (a reference model: 1)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
+    parser.add_argument("--steps", type=int, default=32, help="simulated steps averaged per N")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="FSDP's communication adds to the compute instead of hiding under it")
+    parser.add_argument("--out", type=Path, help="also write tables.md, weak_scaling.csv and efficiency.png here")
+    parser.add_argument("--timings", type=Path, help="a run's timings.jsonl: predict its mean step time instead")
+    parser.add_argument("--machines", type=int, default=1, help="with --timings: machines the ranks were spread over")
+    args = parser.parse_args()
+
+    if args.timings:
+        if not args.constants:
+            parser.error("--timings needs --constants (the CPU test bed's, e.g. scaling_constants/cpu_2core.json)")
+        records = read_timings(args.timings)
+        print(timings_report(records, load_constants(args.constants[0]), args.machines))
+        return
+    if args.lognormal:
+        median, sigma, cap = args.lognormal
+        workloads = [Workload("custom", median, sigma, int(cap))]
+    else:
+        workloads = [WORKLOADS[name] for name in args.workloads]
+    workloads = [replace(workload, forward_passes=args.forward_passes) for workload in workloads]
+    rows, sections = [], []
+    for path in args.constants or [CONSTANTS_DIR / "h100.json", CONSTANTS_DIR / "h200.json"]:
+        constants = load_constants(path)
+        for workload in workloads:
+            results = simulate(constants, workload, world_sizes=tuple(sorted(args.world_sizes)), steps=args.steps,
+                               seed=args.seed, overlap=not args.no_overlap)
+            rows.append((path.stem.upper(), workload.name, results))
+            sections.append(report(path.stem.upper(), workload, results))
+    text = "\n\n".join(sections)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tables.md").write_text(text + "\n")
+        write_csv(args.out / "weak_scaling.csv", rows)
+        if not plot(args.out / "efficiency.png", rows):
+            print("matplotlib is not installed: no efficiency.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""benchmarks/weak_scaling_sim.py: the weak-scaling model's limits, its Monte Carlo tail, its collectives and fixes,
+and the timings mode's prediction against hand arithmetic."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = importlib.util.spec_from_file_location("weak_scaling_sim", ROOT / "benchmarks" / "weak_scaling_sim.py")
+sim = importlib.util.module_from_spec(SPEC)
+sys.modules[SPEC.name] = sim  # dataclasses look their module up by name
+SPEC.loader.exec_module(sim)
+
+H200 = sim.load_constants(ROOT / "benchmarks" / "scaling_constants" / "h200.json")
+
+
+def test_constant_lengths_and_free_communication_give_efficiency_one() -> None:
+    """Every completion the same length, collectives without latency or bandwidth cost: nothing grows with N, so
+    every configuration keeps T(N) = T(1), from 1 and from 8."""
+    free = {**H200, "nvlink_latency": 0.0, "ib_latency": 0.0, "collective_base_latency": 0.0,
+            "nvlink_bandwidth": math.inf, "ib_bandwidth": math.inf}
+    constant = replace(sim.WORKLOADS["short"], sigma=0.0)
+    results = sim.simulate(free, constant, world_sizes=(1, 8, 64, 1024), steps=2)
+    for per_size in results.values():
+        for base in (1, 8):
+            assert all(value == pytest.approx(1.0, rel=1e-12) for value in sim.efficiency(per_size, base).values())
+
+
+@pytest.mark.parametrize("sigma, n", [(0.7, 8), (0.7, 64), (0.7, 1024), (0.8, 64), (0.8, 1024)])
+def test_monte_carlo_longest_matches_the_analytic_quantile(sigma: float, n: int) -> None:
+    """The simulator's draws: the mean of the longest of n completions is within 3% of Hazen's quantile."""
+    workload = sim.Workload("uncapped", 600, sigma, cap=10**9, prompts=n, generations=1)
+    lengths = sim.draw_lengths(workload, ranks=1, steps=2_000_000 // n, rng=np.random.default_rng(1))
+    monte_carlo = lengths.max(axis=-1).mean()
+    assert monte_carlo == pytest.approx(sim.expected_longest(600, sigma, n), rel=0.03)
+
+
+def test_the_tail_grows_with_the_number_of_ranks() -> None:
+    """The step waits for the longest completion on the slowest rank: more ranks, longer wait (today's design)."""
+    results = sim.simulate(H200, sim.WORKLOADS["long_tail"], world_sizes=(1, 8, 64), steps=8)["today"]
+    assert results[1]["longest"] < results[8]["longest"] < results[64]["longest"] <= 16384
+    assert results[1]["generation"] < results[8]["generation"] < results[64]["generation"]
+
+
+def test_flat_mesh_all_gathers_grow_with_n_and_hsdp_ones_do_not() -> None:
+    per_micro_batch = {fixes: [sim.fsdp_comm_s(sim.QWEN25_7B, H200, n, frozenset(fixes), 0)[0]
+                               for n in (8, 16, 64, 256, 1024)] for fixes in ((), ("hsdp",))}
+    flat, hsdp = per_micro_batch[()], per_micro_batch[("hsdp",)]
+    assert all(smaller < larger for smaller, larger in zip(flat, flat[1:]))
+    assert flat[-1] > 3 * flat[0]  # past the node the bytes cross InfiniBand and the hops pile up
+    assert hsdp == pytest.approx([hsdp[0]] * len(hsdp))
+    assert sim.fsdp_comm_s(sim.QWEN25_7B, H200, 8, frozenset({"hsdp"}), 0)[1] == 0.0  # one node: no replicas
+    assert sim.fsdp_comm_s(sim.QWEN25_7B, H200, 1024, frozenset({"hsdp"}), 0)[1] > 0.0
+
+
+def test_bucketed_sync_does_not_depend_on_the_tensor_count() -> None:
+    many_tensors = replace(sim.QWEN25_7B, state_tensors=10 * sim.QWEN25_7B.state_tensors)
+    for ranks in (16, 1024):
+        bucketed = frozenset({"bucketed_sync"})
+        assert sim.weight_sync_s(many_tensors, H200, ranks, bucketed) == sim.weight_sync_s(
+            sim.QWEN25_7B, H200, ranks, bucketed)
+        today = frozenset()
+        assert sim.weight_sync_s(many_tensors, H200, ranks, today)[0] > sim.weight_sync_s(
+            sim.QWEN25_7B, H200, ranks, today)[0]
+    assert sim.weight_sync_s(sim.QWEN25_7B, H200, 1, frozenset())[0] == 0.0
+
+
+def test_balancing_evens_the_ranks_and_keeps_every_token() -> None:
+    workload = sim.WORKLOADS["short"]
+    lengths = sim.draw_lengths(workload, ranks=64, steps=4, rng=np.random.default_rng(0))
+    loads = sim.balanced_rank_tokens(lengths, workload.prompt_tokens)
+    np.testing.assert_allclose(loads.sum(axis=1), (lengths + workload.prompt_tokens).sum(axis=(1, 2)))
+    assert (loads.max(axis=1) / loads.mean(axis=1)).max() < 1.10
+    own = (lengths + workload.prompt_tokens).sum(axis=2)  # without balancing: each rank its own completions
+    assert (own.max(axis=1) / own.mean(axis=1)).min() > (loads.max(axis=1) / loads.mean(axis=1)).max()
+    padded = sum(batch.sum() for batch in sim.padded_micro_batches(lengths, workload))
+    packed = sum(batch.sum() for batch in sim.packed_micro_batches(lengths, workload))
+    assert padded > 1.5 * packed  # padding to the longest row of 8, and the slowest rank per micro-batch
+
+
+def test_generation_is_the_decode_arithmetic() -> None:
+    """Memory-bound without a KV cache: tau0 x longest; compute-bound (free HBM): 2 P_m x all tokens / F."""
+    workload = sim.Workload("two", 1, 0.0, 100, prompts=1, generations=3, prompt_tokens=10)
+    lengths = np.array([[[5.0, 40.0, 20.0]]])
+    no_cache = replace(sim.QWEN25_7B, kv_heads=0)
+    tau0 = 2 * no_cache.matmul_parameters / H200["hbm_bandwidth"]
+    prefill = 2 * no_cache.matmul_parameters * 10 / H200["matmul_flops"]
+    assert sim.generation_s(lengths, workload, no_cache, H200)[0, 0] == pytest.approx(prefill + 40 * tau0)
+    free_memory = {**H200, "hbm_bandwidth": math.inf}
+    compute_bound = 2 * no_cache.matmul_parameters * (10 + 65) / H200["matmul_flops"]
+    assert sim.generation_s(lengths, workload, sim.QWEN25_7B, free_memory)[0, 0] == pytest.approx(compute_bound)
+
+
+CPU_CONSTANTS = {"decode_step_s": 0.01, "train_s_per_padded_token": 1e-3, "train_s_per_micro_batch": 0.1,
+                 "sync_s": 0.5, "step_overhead_s": 0.2, "cores": 2}
+
+
+def timings_record(step: int, longest: list[int]) -> dict:
+    padded, micro_batches = [1000, 800, 1200, 900], [2, 2, 3, 2]
+    return {"step": step, "ranks": [
+        {"generate_s": 0.01 * length, "longest_completion": length, "completions": 8, "tokens": tokens - 100,
+         "padded_tokens": tokens, "micro_batches": count, "train_s": 1.0, "wait_s": 0.1, "sync_gather_s": 0.3,
+         "sync_reload_s": 0.2, "score_s": 0.05, "reduce_s": 0.05, "step_s": 7.0}
+        for length, tokens, count in zip(longest, padded, micro_batches)]}
+
+
+def test_timings_prediction_is_the_hand_computed_one() -> None:
+    """4 ranks on 2 cores share them (x 2): generation 0.01 x 250 = 2.5 s; training 2 x max(1.0 + 0.2, 0.8 + 0.2,
+    1.2 + 0.3, 0.9 + 0.2) = 3.0 s; sync 2 x 0.5; overhead 2 x 0.2: 6.9 s. The second step's longest, 300: 7.4 s.
+    On 2 machines (2 ranks a machine, no sharing): 2.5 + 1.5 + 0.5 + 0.2 = 4.7 s."""
+    records = [timings_record(2, [100, 250, 80, 120]), timings_record(3, [300, 250, 80, 120])]
+    assert sim.predict_record(records[0], CPU_CONSTANTS)["step"] == pytest.approx(6.9)
+    assert sim.predict_mean_step_s(records, CPU_CONSTANTS) == pytest.approx((6.9 + 7.4) / 2)
+    assert sim.predict_mean_step_s(records[:1], CPU_CONSTANTS, machines=2) == pytest.approx(4.7)
+
+
+def test_timings_command_reads_a_run_and_refuses_unsourced_constants(tmp_path: Path) -> None:
+    """The CLI skips the first (warm-up) step, prints predicted against measured; a constant without a source fails."""
+    timings = tmp_path / "timings.jsonl"
+    records = [timings_record(1, [999, 999, 999, 999]), timings_record(2, [100, 250, 80, 120])]
+    timings.write_text("".join(json.dumps(record) + "\n" for record in records))
+    constants = tmp_path / "cpu.json"
+    constants.write_text(json.dumps({name: {"value": value, "source": "hand-set for this test"}
+                                     for name, value in CPU_CONSTANTS.items()}))
+    command = [sys.executable, str(ROOT / "benchmarks" / "weak_scaling_sim.py"), "--timings", str(timings),
+               "--constants", str(constants)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert "1 steps, 4 ranks" in result.stdout
+    assert "| step | 6.9000 | 7.0000 | 0.986 |" in result.stdout
+    constants.write_text(json.dumps({**json.loads(constants.read_text()), "cores": {"value": 2}}))
+    with pytest.raises(ValueError, match="cores"):
+        sim.load_constants(constants)
