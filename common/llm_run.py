@@ -30,6 +30,7 @@ from common.determinism import (
 )
 from common.distributed import (
     all_gather_rows,
+    all_ranks_ok,
     check_shared_filesystem,
     fail,
     init_distributed,
@@ -174,15 +175,18 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     check_shared_filesystem(Path(args.resume or args.run_root), create=not args.resume)  # where this run writes
     resume_dir, resume_state = read_training_state(args, world_size, MAY_CHANGE_ON_RESUME) if args.resume else \
         (None, None)
+    problem = None  # each rank reads the model's files and the task itself: decided together, so none hangs
     try:
         AutoConfig.from_pretrained(args.model_name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     except (OSError, ValueError) as error:
-        fail(f"cannot load model {args.model_name_or_path!r}: {error}")
+        problem = f"cannot load model {args.model_name_or_path!r}: {error}"
     try:
         task = make_task(args.task)
     except Exception as error:  # datasets raises many types for a missing dataset
-        fail(f"cannot load task {args.task!r}: {error}")
+        problem = problem or f"cannot load task {args.task!r}: {error}"
+    if not all_ranks_ok(problem is None):
+        fail(problem or "another rank cannot load the model or the task; its message says why")
 
     def encode(examples: list[Example]) -> list[list[int]]:
         texts = [task.format_prompt(tokenizer, example) for example in examples]

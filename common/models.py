@@ -57,12 +57,18 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
         fail(f"{path}: the model transforms its logits after the LM head (soft cap or scale), which token_logprobs "
              "replaces by its own float32 head; not supported")
     source = shape = None
-    if dist.get_rank() == 0:
-        stored_dtype = text_config.dtype
-        source = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32,
-                                                                        attn_implementation=attn_implementation)
-        shape = (type(source), source.config, getattr(source, "generation_config", None), stored_dtype or compute_dtype)
-    model_type, config, generation_config, export_dtype = _broadcast_object(shape)
+    if dist.get_rank() == 0:  # the one reader: a failure here must reach the ranks waiting for its broadcast
+        try:
+            source = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32,
+                                                                            attn_implementation=attn_implementation)
+            shape = (type(source), source.config, getattr(source, "generation_config", None),
+                     text_config.dtype or compute_dtype)
+        except Exception as error:  # a damaged or incomplete checkpoint raises many types
+            shape = f"rank 0 cannot load {path}: {type(error).__name__}: {error}"
+    shape = _broadcast_object(shape)
+    if isinstance(shape, str):
+        fail(shape)
+    model_type, config, generation_config, export_dtype = shape
     with torch.device("meta"):
         model = model_type._from_config(config, dtype=torch.float32)
     model.config.dtype = export_dtype  # what export_pretrained writes (building set it to the masters' float32)

@@ -2,7 +2,6 @@
 on 127.0.0.1), the shared-file-system check, vLLM tensor parallelism kept inside a node, token balancing, the fake
 engine and timings.jsonl."""
 
-import filecmp
 import json
 import math
 import re
@@ -153,9 +152,9 @@ FAKE_PPO = ["--rollout-engine", "fake", "--fake-median-length", "6", "--max-comp
 
 @pytest.fixture(scope="module")
 def hsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two agents x two processes: HSDP (the default shard size, the ranks of a node: 2) twice, and the flat mesh."""
+    """Two agents x two processes: HSDP (the default shard size, the ranks of a node: 2) and the flat mesh."""
     runs = {}
-    for name, shard in (("hsdp", "0"), ("hsdp_again", "2"), ("flat", "4")):
+    for name, shard in (("hsdp", "0"), ("flat", "4")):
         run_root = tmp_path_factory.mktemp(name)
         for agent in run_agents("ppo_llm.py", [*FAKE_PPO, "--fsdp-shard-size", shard, "--run-root", str(run_root)],
                                 nproc=2):
@@ -164,16 +163,14 @@ def hsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return runs
 
 
-def test_hsdp_across_two_nodes_is_reproducible_and_equals_the_flat_mesh(hsdp_runs: dict[str, Path]):
-    """Shard within a node, replicate across nodes: the same bits twice, and the flat mesh's losses and gradient
-    norms up to the order of float32 sums (measured: 1e-7 relative at the worker level, tests/test_sharding.py)."""
-    hsdp, again, flat = (read_metrics(hsdp_runs[name]) for name in ("hsdp", "hsdp_again", "flat"))
-    assert filecmp.cmp(hsdp_runs["hsdp"] / "metrics.jsonl", hsdp_runs["hsdp_again"] / "metrics.jsonl", shallow=False)
-    final = {name: json.loads((run / "final.json").read_text())["parameter_sha256"] for name, run in hsdp_runs.items()}
-    assert final["hsdp"] == final["hsdp_again"]
-    assert hsdp == again
+def test_hsdp_across_two_nodes_equals_the_flat_mesh(hsdp_runs: dict[str, Path]):
+    """Shard within a node, replicate across nodes: the flat mesh's losses and gradient norms up to the order of
+    float32 sums (measured: 1e-5 relative on the policy loss, a difference of near-cancelling terms, 1e-6 on the
+    norms). Two HSDP runs giving the same bits: tests/test_sharding.py, at the step's level."""
+    hsdp, flat = read_metrics(hsdp_runs["hsdp"]), read_metrics(hsdp_runs["flat"])
     for mesh, flat_mesh in zip(hsdp[1:], flat[1:]):
         for key in ("train/loss", "train/value_loss", "train/grad_norm", "train/value_grad_norm"):
             assert mesh[key] == pytest.approx(flat_mesh[key], rel=1e-4), key
         assert mesh["train/grad_norm"] > 0 and mesh["train/value_grad_norm"] > 0
-    assert json.loads((hsdp_runs["flat"] / "manifest.json").read_text())["args"]["fsdp_shard_size"] == 4
+    manifests = {name: json.loads((run / "manifest.json").read_text()) for name, run in hsdp_runs.items()}
+    assert manifests["flat"]["args"]["fsdp_shard_size"] == 4 and manifests["hsdp"]["args"]["fsdp_shard_size"] == 0
