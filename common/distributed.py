@@ -101,7 +101,8 @@ def save_group() -> dist.ProcessGroup:
 def fail(message: str) -> None:
     """Stop with a clear message and exit code 2. Call it on every rank (checks are cheap and identical), so no rank
     is left waiting in a collective."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a pipe (torchrun's) do not interleave lines
+    sys.stderr.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(2)
