@@ -11,11 +11,17 @@ The one correction that always acts is truncated importance sampling (TIS): the 
 slightly from the trainer's (other kernels), and each token is reweighted by min(pi_old / pi_rollout, cap).
 
 Each torchrun rank holds one vLLM engine for rollouts and one FSDP2 shard of the policy for training; after every
-update the weights stream into the engine. Same arguments + same machine + same world size = same bits.
+update the weights stream into the engine. Same arguments + same machine + same world size = same bits. With
+`--rollout-ranks K` the last K ranks only generate and the others only train (common/layout.py), and with
+`--max-staleness 1` batch t + 1 is sampled while batch t trains: pi_rollout is then the policy before the previous
+update, TIS corrects for it, and `--seq-mask-cap` drops the completions that moved furthest. The schedule is fixed,
+so the split layout keeps the same-bits promise (at the same K).
 
     torchrun --nproc_per_node 2 grpo_llm.py --seed 1
+    torchrun --nproc_per_node 2 grpo_llm.py --seed 1 --rollout-ranks 1 --max-staleness 1
 """
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -66,6 +72,9 @@ class Args(LLMArgs):
     """mu: optimizer steps on each batch of rollouts (old logprobs come from the trainer before the first)"""
     tis_cap: float = 2.0
     """truncated importance sampling: weight tokens by min(pi_old / pi_rollout, cap); 0 turns it off"""
+    seq_mask_cap: float = 0.0
+    """masked importance sampling: drop completions whose geometric-mean ratio pi_old / pi_rollout leaves
+    [1/c, c] (for a stale sampler, --max-staleness 1); 0 turns it off"""
     balance_tokens: bool = False
     """after the advantages, move completions between ranks so that each trains on nearly the same number of tokens
     (FSDP's lock step makes every micro-batch cost the slowest rank's): for long-tailed completion lengths"""
@@ -88,6 +97,8 @@ def check_args(args: Args, world_size: int) -> None:
         fail("--micro-batch-tokens must be non-negative and needs --balance-tokens")
     if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.beta < 0 or args.tis_cap < 0:
         fail("--clip-eps-low, --clip-eps-high, --beta and --tis-cap must be non-negative")
+    if args.seq_mask_cap and args.seq_mask_cap <= 1:
+        fail(f"--seq-mask-cap must be 0 (off) or above 1, got {args.seq_mask_cap}")
 
 
 # ============================================================================================
@@ -136,13 +147,33 @@ def truncated_is_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tens
     return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
 
 
-def grpo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+def sequence_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+                  ) -> torch.Tensor:
+    """Masked importance sampling at the sequence level (verl's rollout correction, docs/algo/rollout_corr.md, and
+    slime's MIS): completion i is judged by the geometric mean of its token ratios,
+    rho_i = exp(mean_t log(pi_old / pi_rollout)), and dropped (weight 0) when rho_i leaves [1/cap, cap]; the others
+    keep weight 1. [B, 1]. It does not reweight: a stale sampler's most off-policy completions give no gradient at
+    all, and the batch's normalisers still count them."""
+    mean_log_ratio = ((old_logprobs - rollout_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True
+                                                                                                  ).clamp(min=1)
+    return (mean_log_ratio.abs() <= math.log(cap)).to(old_logprobs.dtype)
+
+
+def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                       tis_cap: float, seq_mask_cap: float) -> torch.Tensor:
+    """Each token's weight for having been sampled by the engine (a step older in the split layout with
+    --max-staleness 1, where pi_rollout is the policy before the previous update): TIS, times the sequence mask when
+    --seq-mask-cap is on. [B, C], no gradient."""
+    weight = truncated_is_weight(old_logprobs, rollout_logprobs, tis_cap)
+    return weight * sequence_mask(old_logprobs, rollout_logprobs, mask, seq_mask_cap) if seq_mask_cap else weight
+
+
+def grpo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, is_weight: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, clip_eps_low: float,
-                    clip_eps_high: float, tis_cap: float, beta: float) -> torch.Tensor:
-    """The summand of DeepSeekMath eq. 3 as a loss, per token [B, C]: the clipped surrogate weighted by TIS, plus
-    beta times the k3 KL to the reference (eq. 4) when there is one. advantages: [B, 1]."""
-    per_token = (clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high)
-                 * truncated_is_weight(old_logprobs, rollout_logprobs, tis_cap))
+                    clip_eps_high: float, beta: float) -> torch.Tensor:
+    """The summand of DeepSeekMath eq. 3 as a loss, per token [B, C]: the clipped surrogate weighted by the rollout
+    correction `is_weight`, plus beta times the k3 KL to the reference (eq. 4) when there is one. advantages: [B, 1]."""
+    per_token = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high) * is_weight
     if ref_logprobs is not None:
         per_token = per_token + beta * k3_kl(logprobs, ref_logprobs)
     return per_token
@@ -222,18 +253,23 @@ if __name__ == "__main__":
                 if old_logprobs[m] is None:  # mu = 1: the policy before the update is the one in this forward
                     old_logprobs[m] = logprobs.detach()
                 old, ref = old_logprobs[m], ref_logprobs[m]
-                per_token = grpo_token_loss(logprobs, old, batch.rollout_logprobs, ref, advantage, args.clip_eps_low,
-                                            args.clip_eps_high, args.tis_cap, args.beta)
+                is_weight = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
+                                               args.seq_mask_cap)
+                per_token = grpo_token_loss(logprobs, old, is_weight, ref, advantage, args.clip_eps_low,
+                                            args.clip_eps_high, args.beta)
                 loss = aggregate_loss(per_token, batch.mask, args.loss_type, num_sequences, num_tokens,
                                       args.max_completion_length)
                 (loss * world_size).backward()
                 with torch.no_grad():  # --- diagnostics: shares of the batch's token means, averaged over mu ---
                     clipped = clip_active(logprobs, old, advantage, args.clip_eps_low, args.clip_eps_high)
-                    tis_weight = truncated_is_weight(old, batch.rollout_logprobs, args.tis_cap)
+                    kept = sequence_mask(old, batch.rollout_logprobs, batch.mask, args.seq_mask_cap) \
+                        if args.seq_mask_cap else batch.mask.new_ones(())
                     totals.add({"train/loss": loss, "train/clip_fraction": (clipped * batch.mask).sum() / num_tokens,
-                                "mismatch/tis_weight_mean": (tis_weight * batch.mask).sum() / num_tokens,
+                                "mismatch/tis_weight_mean": (is_weight * batch.mask).sum() / num_tokens,
+                                "mismatch/masked_fraction": (1 - kept).sum() / num_sequences,
                                 **({"train/kl": (k3_kl(logprobs, ref) * batch.mask).sum() / num_tokens}
-                                   if ref is not None else {})}, divisor=args.num_iterations)
+                                   if ref is not None else {})},
+                               {"mismatch/tis_weight_max": (is_weight * batch.mask).max()}, divisor=args.num_iterations)
             norm, learning_rate = optimizer_step(policy, optimizer, scheduler, args.max_grad_norm, step)
             grad_norm += norm / args.num_iterations
         for batch, old in zip(batches, old_logprobs):  # the engine's logprobs against the trainer's, before the update

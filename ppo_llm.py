@@ -13,7 +13,9 @@ network with a scalar head, trained alongside) predicts at each token the return
 values into per-token advantages, whitened over the batch. Then --ppo-epochs passes over --num-minibatches minibatches
 take one optimizer step each: after the first, the policy has moved, and the clipped ratio pi / pi_old keeps each step
 near the policy that sampled (unlike GRPO's default of one update per batch, where the clip never acts).
-As in GRPO, tokens are also weighted by min(pi_old / pi_rollout, cap) (TIS) for the engine's numerical mismatch.
+As in GRPO, tokens are also weighted by min(pi_old / pi_rollout, cap) (TIS) for the engine's numerical mismatch,
+and for a sampler one update behind with `--rollout-ranks K --max-staleness 1` (the split layout, common/layout.py),
+where `--seq-mask-cap` also drops the completions whose geometric-mean ratio moved furthest.
 
 Each torchrun rank holds one vLLM engine for rollouts and one FSDP2 shard of the policy and of the value model; after
 every step the policy's weights stream into the engine. Same arguments + same machine + same world size = same bits.
@@ -21,6 +23,7 @@ every step the policy's weights stream into the engine. Same arguments + same ma
     torchrun --nproc_per_node 2 ppo_llm.py --seed 1
 """
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -92,6 +95,9 @@ class Args(LLMArgs):
     Qwen2.5-0.5B-Instruct; --learning-rate is the policy's, 1e-6 there, see benchmarks/README.md)"""
     tis_cap: float = 2.0
     """truncated importance sampling: weight tokens by min(pi_old / pi_rollout, cap); 0 turns it off"""
+    seq_mask_cap: float = 0.0
+    """masked importance sampling: drop completions whose geometric-mean ratio pi_old / pi_rollout leaves
+    [1/c, c] (for a stale sampler, --max-staleness 1); 0 turns it off"""
 
 
 def check_args(args: Args, world_size: int) -> None:
@@ -99,9 +105,9 @@ def check_args(args: Args, world_size: int) -> None:
     check_llm_args(args, world_size)
     if args.ppo_epochs <= 0 or args.num_minibatches <= 0:
         fail(f"--ppo-epochs and --num-minibatches must be positive, got {args.ppo_epochs} and {args.num_minibatches}")
-    per_rank = args.prompts_per_step // world_size * args.num_generations
+    per_rank = args.prompts_per_step // (world_size - args.rollout_ranks or 1) * args.num_generations
     if per_rank % args.num_minibatches:
-        fail(f"each rank's {per_rank} completions per step (--prompts-per-step / world size x --num-generations) "
+        fail(f"each rank's {per_rank} completions per step (--prompts-per-step / trainer ranks x --num-generations) "
              f"must be divisible by --num-minibatches {args.num_minibatches}")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         fail(f"--gamma and --lam must lie in [0, 1], got {args.gamma} and {args.lam}")
@@ -109,6 +115,8 @@ def check_args(args: Args, world_size: int) -> None:
         fail("--clip-eps, --clip-eps-value and --vf-coef must be positive")
     if args.beta < 0 or args.missing_eos_penalty < 0 or args.tis_cap < 0:
         fail("--beta, --missing-eos-penalty and --tis-cap must be non-negative")
+    if args.seq_mask_cap and args.seq_mask_cap <= 1:
+        fail(f"--seq-mask-cap must be 0 (off) or above 1, got {args.seq_mask_cap}")
     if args.target_kl is not None and not (args.target_kl > 0 and args.beta > 0 and args.kl_horizon > 0):
         fail("--target-kl needs positive --target-kl, --beta (the controller multiplies it) and --kl-horizon")
     if not args.value_learning_rate > 0:
@@ -223,6 +231,23 @@ def truncated_is_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tens
     return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
 
 
+def sequence_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+                  ) -> torch.Tensor:
+    """Masked importance sampling at the sequence level (verl's rollout correction, docs/algo/rollout_corr.md, and
+    slime's MIS): completion i is dropped (weight 0) when the geometric mean of its token ratios,
+    rho_i = exp(mean_t log(pi_old / pi_rollout)), leaves [1/cap, cap]; the others keep weight 1. [B, 1]."""
+    mean_log_ratio = ((old_logprobs - rollout_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True
+                                                                                                  ).clamp(min=1)
+    return (mean_log_ratio.abs() <= math.log(cap)).to(old_logprobs.dtype)
+
+
+def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                       tis_cap: float, seq_mask_cap: float) -> torch.Tensor:
+    """Each token's weight for having been sampled by the engine: TIS, times the sequence mask when on. [B, C]."""
+    weight = truncated_is_weight(old_logprobs, rollout_logprobs, tis_cap)
+    return weight * sequence_mask(old_logprobs, rollout_logprobs, mask, seq_mask_cap) if seq_mask_cap else weight
+
+
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                       clip_eps: float) -> torch.Tensor:
     """PPO eq. 7 per token, negated to a loss: -min(r A, clip(r, 1 - eps, 1 + eps) A) with r = pi / pi_old."""
@@ -237,13 +262,12 @@ def clip_active(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return (torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages < ratio * advantages).float()
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float, tis_cap: float, num_tokens: float
-                ) -> torch.Tensor:
-    """The clipped surrogate weighted by TIS, summed over this micro-batch's tokens and divided by its minibatch's
-    token count over all ranks (`num_tokens`), so the shares add up to the minibatch mean."""
-    per_token = (clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps)
-                 * truncated_is_weight(old_logprobs, rollout_logprobs, tis_cap))
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, is_weight: torch.Tensor,
+                advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float, num_tokens: float) -> torch.Tensor:
+    """The clipped surrogate weighted by the rollout correction `is_weight`, summed over this micro-batch's tokens
+    and divided by its minibatch's token count over all ranks (`num_tokens`), so the shares add up to the minibatch
+    mean."""
+    per_token = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps) * is_weight
     return (per_token * mask).sum() / num_tokens
 
 
@@ -350,8 +374,9 @@ if __name__ == "__main__":
                 old, advantage, old_value, target = (t[index, :width] for t in (old_logprobs, advantages, old_values,
                                                                                 returns))
                 logprobs, values = token_logprobs(policy, batch, args.temperature), predicted_values(value_model, batch)
-                pg_loss = policy_loss(logprobs, old, batch.rollout_logprobs, advantage, batch.mask, args.clip_eps,
-                                      args.tis_cap, minibatch_tokens)
+                is_weight = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
+                                               args.seq_mask_cap)
+                pg_loss = policy_loss(logprobs, old, is_weight, advantage, batch.mask, args.clip_eps, minibatch_tokens)
                 vf_loss = value_loss(values, old_value, target, batch.mask, args.clip_eps_value, minibatch_tokens)
                 ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
                 with torch.no_grad():  # --- diagnostics: shares of the minibatch's token means, averaged over updates
@@ -359,8 +384,12 @@ if __name__ == "__main__":
                         "train/clip_fraction": clip_active(logprobs, old, advantage, args.clip_eps),
                         "train/value_clip_fraction": value_clip_active(values, old_value, target, args.clip_eps_value),
                         "train/approx_kl": 0.5 * (logprobs - old) ** 2,  # N+ details
-                        "mismatch/tis_weight_mean": truncated_is_weight(old, batch.rollout_logprobs, args.tis_cap),
-                    }.items()}, divisor=updates_per_step)
+                        "mismatch/tis_weight_mean": is_weight,
+                    }.items()}, {"mismatch/tis_weight_max": (is_weight * batch.mask).max()}, divisor=updates_per_step)
+                    kept = sequence_mask(old, batch.rollout_logprobs, batch.mask, args.seq_mask_cap) \
+                        if args.seq_mask_cap else batch.mask.new_ones(())
+                    totals.add({"mismatch/masked_fraction": (1 - kept).sum() / num_sequences},
+                               divisor=args.ppo_epochs)  # each epoch visits every completion once
                     totals.add({"train/loss": pg_loss, "train/value_loss": vf_loss}, divisor=updates_per_step)
             grad_norm, learning_rate = optimizer_step(policy, optimizer, scheduler, args.max_grad_norm, step)
             value_grad_norm, value_learning_rate = optimizer_step(value_model, value_optimizer, value_scheduler,

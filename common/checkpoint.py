@@ -214,16 +214,21 @@ def read_training_state(args: object, world_size: int, may_change: Iterable[str]
 
 
 def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
-                             tokenizer: object, args: object, extra: dict | None = None) -> Path:
+                             tokenizer: object, args: object, extra: dict | None = None,
+                             in_flight: list[dict] | None = None) -> Path:
     """A collective: every rank writes its shard of each trained model and optimizer (`trained`, e.g. {"policy":
     (model, optimizer)}) with torch.distributed.checkpoint; the policy is exported loadable by transformers and vLLM;
-    rank 0 adds trainer_state.pt (step, arguments, world size, every rank's RNG states, and `extra`: state the
-    algorithm carries between steps, e.g. an adaptive coefficient)."""
+    rank 0 adds trainer_state.pt (step, arguments, world size, every rank's RNG states, `extra`: state the
+    algorithm carries between steps, e.g. an adaptive coefficient, and every rank's `in_flight`: the split layout's
+    batch already sampled for the next step, a few bytes per token)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     all_rng: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(all_rng, rng_states(), group=save_group())
+    all_in_flight: list[object] = [None] * dist.get_world_size()
+    if in_flight is not None:
+        dist.all_gather_object(all_in_flight, in_flight, group=save_group())
 
     def write(directory: Path) -> None:
         state = {name: {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
@@ -232,7 +237,8 @@ def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[tor
         export_pretrained(trained["policy"][0], tokenizer, directory)
         if dist.get_rank() == 0:
             torch.save({"step": step, "args": asdict(args), "world_size": dist.get_world_size(), "rng": all_rng,
-                        "extra": extra or {}}, directory / "trainer_state.pt")
+                        "extra": extra or {}, **({"in_flight": all_in_flight} if in_flight is not None else {})},
+                       directory / "trainer_state.pt")
 
     return save_checkpoint(root, step, write, args.keep_last, save_group())
 

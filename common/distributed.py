@@ -92,6 +92,12 @@ def nccl_record() -> dict[str, object]:
             "version": ".".join(map(str, version)) if isinstance(version, tuple) else version}
 
 
+def renew_save_group() -> None:
+    """The save group again, over the default group as it is now (the split layout narrows it to one side)."""
+    global _save_group
+    _save_group = dist.new_group(backend="gloo", timeout=SAVE_TIMEOUT)
+
+
 def save_group() -> dist.ProcessGroup:
     """The long-timeout gloo group for barriers and planning around checkpoint writes."""
     assert _save_group is not None, "init_distributed() first"

@@ -3,11 +3,14 @@ the calls their loops make in the same order, written once because the order car
 before any engine exists; `start_training` starts the engine (which reseeds every RNG, so --seed is applied again),
 then restores a checkpoint's shards and RNG states, then gives the engine its first weights by the same path as every
 step's `sync_weights`; `generate` puts the engine to sleep before training; `end_step` stops on a non-finite loss
-before anything is written."""
+before anything is written. With --rollout-ranks K (common/layout.py) the same calls run on the trainer ranks, with
+the rollout ranks behind them: `prepare_run` never returns on a rollout rank, which serves generation
+(`serve_rollouts`) and exits."""
 
 import importlib.util
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +39,16 @@ from common.distributed import (
     init_distributed,
     local_world_size,
     nccl_record,
+)
+from common.layout import (
+    Layout,
+    RemoteRollouts,
+    evaluation_due,
+    receive_weights,
+    row_ranges,
+    send_evaluation,
+    send_samples,
+    split_world,
 )
 from common.models import fsdp_shard_size, stream_weights
 from common.rollout import FakeEngine, Sample, engine_kind, make_engine, sample_seed
@@ -82,6 +95,10 @@ class LLMArgs:
     fake_median_length: float = 6.0  # fake engine: median completion length (tokens), capped at --max-completion-length
     fake_length_sigma: float = 0.8  # fake engine: the lognormal's sigma (the spread of completion lengths)
     vllm_tp: int = 1  # tensor-parallel size of each vLLM engine (groups of contiguous ranks)
+    rollout_ranks: int = 0  # K > 0: the split layout, the last K ranks only generate and the others only train;
+    # 0: colocated, every rank generates and trains
+    max_staleness: int = 0  # with --rollout-ranks: 1 samples batch t + 1 while batch t trains (with the weights
+    # after update t - 1: one step off-policy); 0 waits for each update. The schedule is fixed either way
     vllm_kv_cache_memory_bytes: int = 64 * 2**20  # KV-cache size of the vLLM engine on CPU
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take on CUDA (the trainer needs the rest)
     # --- evaluation, logs, checkpoints ---
@@ -107,19 +124,34 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
                  "vllm_tp", "max_prompt_length", "learning_rate", "temperature"):
         if not getattr(args, name) > 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.prompts_per_step % world_size:
-        fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by the world size {world_size}")
-    if world_size % args.vllm_tp:
-        fail(f"--vllm-tp {args.vllm_tp} must divide the world size {world_size}")
-    if engine_kind(args.rollout_engine) == "vllm" and local_world_size() % args.vllm_tp:
-        fail(f"--vllm-tp {args.vllm_tp} would put a tensor-parallel group across nodes: each node runs "
-             f"{local_world_size()} rank(s) (torchrun --nproc_per_node) and a group is {args.vllm_tp} consecutive "
-             "ranks; vLLM-CPU's shared-memory communicator cannot span nodes, and on GPUs it would be slow. Use a "
-             "--vllm-tp that divides --nproc_per_node")
-    shard_size = fsdp_shard_size(args.fsdp_shard_size, world_size)
-    if shard_size < 1 or world_size % shard_size:
+    if args.rollout_ranks < 0 or args.max_staleness not in (0, 1):
+        fail(f"--rollout-ranks must be non-negative and --max-staleness 0 or 1, got {args.rollout_ranks} and "
+             f"{args.max_staleness}")
+    if args.max_staleness and not args.rollout_ranks:
+        fail("--max-staleness 1 needs --rollout-ranks: one-step-off generation runs on ranks of its own")
+    trainers, generators = world_size - args.rollout_ranks, args.rollout_ranks or world_size
+    if args.rollout_ranks and trainers < 1:
+        fail(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank in a world of {world_size}: use at most "
+             f"{world_size - 1}")
+    for ranks, what in ((trainers, "trainer ranks" if args.rollout_ranks else "world size"),
+                        (generators, "rollout ranks")):
+        if args.prompts_per_step % ranks:
+            fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {what} ({ranks})")
+    if generators % args.vllm_tp:
+        fail(f"--vllm-tp {args.vllm_tp} must divide the {'rollout ranks' if args.rollout_ranks else 'world size'} "
+             f"({generators})")
+    per_node, tp = local_world_size(), args.vllm_tp  # a group: tp consecutive ranks from the first generator on
+    if engine_kind(args.rollout_engine) == "vllm" and any(first // per_node != (first + tp - 1) // per_node
+                                                          for first in range(world_size - generators, world_size, tp)):
+        fail(f"--vllm-tp {tp} would put a tensor-parallel group across nodes: each node runs {per_node} rank(s) "
+             f"(torchrun --nproc_per_node) and a group is {tp} consecutive ranks of the "
+             f"{'last ' + str(generators) if args.rollout_ranks else str(world_size)}; vLLM-CPU's shared-memory "
+             "communicator cannot span nodes, and on GPUs it would be slow. Use a --vllm-tp that divides "
+             "--nproc_per_node (and, split, --rollout-ranks a multiple of both)")
+    shard_size = fsdp_shard_size(args.fsdp_shard_size, trainers)
+    if shard_size < 1 or trainers % shard_size:
         fail(f"--fsdp-shard-size {args.fsdp_shard_size} (0 = ranks per node) gives shard size {shard_size}, which "
-             f"must divide the world size {world_size}")
+             f"must divide the {'trainer ranks' if args.rollout_ranks else 'world size'} {trainers}")
     if min(args.eval_every, args.save_every, args.keep_last, args.num_eval_prompts, args.warmup_steps) < 0:
         fail("--eval-every, --save-every, --keep-last, --num-eval-prompts and --warmup-steps must be non-negative")
     if args.track and importlib.util.find_spec("wandb") is None:
@@ -147,6 +179,7 @@ class LLMRun:
     pad_id: int
     resume_dir: Path | None
     resume_state: dict | None  # the checkpoint's trainer_state.pt: step, args, world size, RNG states, extra state
+    layout: Layout | None  # the split layout's groups (--rollout-ranks); rank and world_size are then this side's
 
 
 def eos_token_ids(model_path: str, tokenizer: object) -> list[int]:
@@ -173,7 +206,8 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     args.rollout_engine = engine_kind(args.rollout_engine)  # recorded and compared on resume as the engine that ran
     rank, world_size, device = init_distributed()
     check_shared_filesystem(Path(args.resume or args.run_root), create=not args.resume)  # where this run writes
-    resume_dir, resume_state = read_training_state(args, world_size, MAY_CHANGE_ON_RESUME) if args.resume else \
+    trainers = world_size - args.rollout_ranks  # a checkpoint records the trainers' world
+    resume_dir, resume_state = read_training_state(args, trainers, MAY_CHANGE_ON_RESUME) if args.resume else \
         (None, None)
     problem = None  # each rank reads the model's files and the task itself: decided together, so none hangs
     try:
@@ -198,9 +232,80 @@ def prepare_run(args: LLMArgs) -> LLMRun:
         fail(f"only {len(keep)} training prompts fit --max-prompt-length {args.max_prompt_length}")
     eos_ids = eos_token_ids(args.model_name_or_path, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    return LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
-                  [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in encode(task.test)],
-                  eos_ids, pad_id, resume_dir, resume_state)
+    layout = split_world(args.rollout_ranks, args.max_staleness) if args.rollout_ranks else None
+    if layout is not None:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    run = LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
+                 [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in encode(task.test)],
+                 eos_ids, pad_id, resume_dir, resume_state, layout)
+    if layout is not None and layout.is_rollout:
+        serve_rollouts(run)
+        sys.exit(0)
+    return run
+
+
+def start_engine(run: LLMRun) -> object:
+    """This rank's rollout engine. Colocated on a GPU it sleeps while the trainer works; split, it has its GPU."""
+    args = run.args
+    max_model_len = max(map(len, run.train_ids + run.test_ids)) + args.max_completion_length
+    if run.device.type == "cuda":  # loading held one full tensor at a time; vLLM sizes itself from free memory
+        torch.cuda.empty_cache()
+    if args.rollout_engine == "fake":
+        return FakeEngine(len(run.tokenizer), args.fake_tau0_s, args.fake_median_length, args.fake_length_sigma)
+    return make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
+                       run.device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization,
+                       colocated=run.layout is None)
+
+
+def serve_rollouts(run: LLMRun) -> None:
+    """A rollout rank's whole run in the split layout (the schedule in common/layout.py): generate and score its
+    share of each step's prompts, send the rows to the trainers that train them, load each update's weights, and
+    evaluate when due. Its prompts and sample seeds are those of the colocated layout at its world size."""
+    args, layout = run.args, run.layout
+    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(run.world_size))  # vLLM's external_launcher reads these
+    engine = start_engine(run)
+    start_step = run.resume_state["step"] if run.resume_state else 0
+    idle = 0.0  # seconds in transfers since the last generation: the engine's wait for the trainers
+
+    def transfer(action: object, *arguments: object) -> None:
+        nonlocal idle
+        started = time.time()
+        action(*arguments)
+        idle += time.time() - started
+
+    def produce(step: int, version: int) -> None:
+        nonlocal idle
+        prompts, examples, samples, seconds = sample_prompts(engine, run, step)
+        scored = time.time()
+        scores = task_scores(run.task.reward, examples, [decode_completion(run.tokenizer, s.completion_ids,
+                                                                           run.eos_ids) for s in samples])
+        timings = {"generate_s": seconds, "score_s": time.time() - scored, "rollout_wait_s": idle,
+                   "longest_completion": float(max(len(s.completion_ids) for s in samples)),
+                   "completions": float(len(samples))}
+        idle = 0.0
+        rows = row_ranges(args.prompts_per_step * args.num_generations, run.world_size)[run.rank]
+        transfer(send_samples, layout, rows, samples, scores, version, timings)
+
+    def load_weights() -> None:
+        transfer(lambda: engine.update_weights(receive_weights(layout, run.device)))
+
+    if start_step:
+        load_weights()
+    else:
+        metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
+        send_evaluation(layout, metrics if run.rank == 0 else None)
+        if layout.max_staleness:
+            produce(1, 0)
+    for step in range(start_step + 1, args.total_steps + 1):
+        if not layout.max_staleness:
+            produce(step, step - 1)
+        elif step < args.total_steps:
+            produce(step + 1, step - 1)
+        load_weights()
+        if evaluation_due(step, args.eval_every, args.total_steps):
+            metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
+            send_evaluation(layout, metrics if run.rank == 0 else None)
+    engine.close()
 
 
 def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
@@ -210,16 +315,14 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     `trained`, the schedules fast-forwarded, this rank's RNG states), the run directory, and the engine's first
     weights. Returns the engine, the tracker and the last completed step (0 for a fresh run)."""
     args = run.args
-    max_model_len = max(map(len, run.train_ids + run.test_ids)) + args.max_completion_length
-    if run.device.type == "cuda":  # loading held one full tensor at a time; vLLM sizes itself from free memory
-        torch.cuda.empty_cache()
-    engine = FakeEngine(len(run.tokenizer), args.fake_tau0_s, args.fake_median_length, args.fake_length_sigma) \
-        if args.rollout_engine == "fake" else \
-        make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len, run.device,
-                    args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization)
+    start_step = run.resume_state["step"] if run.resume_state else 0
+    if run.layout is None:
+        engine = start_engine(run)
+    else:  # the rollout ranks' engines, behind the schedule; with S = 1 the checkpoint holds the batch in flight
+        in_flight = run.resume_state.get("in_flight") if start_step else None
+        engine = RemoteRollouts(run.layout, args.total_steps, in_flight[run.rank] if in_flight else None)
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
     rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
-    start_step = run.resume_state["step"] if run.resume_state else 0
     if start_step:  # after the engine, whose start would overwrite the restored RNG states
         load_training_checkpoint(run.resume_dir, trained)
         for scheduler in schedulers:  # a pure function of the update count
@@ -236,12 +339,13 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     if runner == "v1" and run.device.type == "cuda":
         log.warning("vLLM runs its V1 model runner, which samples seeded requests one by one in Python; "
                     "unset VLLM_USE_V2_MODEL_RUNNER=0 or use a model the V2 runner supports")
-    log.info(f"world size {run.world_size}, {type(engine).__name__} (model runner {runner}), {len(run.train_ids)} "
-             f"train / {len(run.test_ids)} test prompts, starting after step {start_step}")
+    split = f" trainers, {args.rollout_ranks} rollout ranks" if run.layout else ""
+    log.info(f"world size {run.world_size}{split}, {type(engine).__name__} (model runner {runner}), "
+             f"{len(run.train_ids)} train / {len(run.test_ids)} test prompts, starting after step {start_step}")
     if start_step:  # the same weight path into the engine as the uninterrupted run took
         sync_weights(engine, trained["policy"][0], args.dtype)
     else:
-        metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
+        metrics = evaluation(engine, run)
         tracker.log(0, metrics)
         tracker.write_json("eval_before.json", metrics)
         log.info(f"held-out greedy accuracy before training: {metrics['eval/accuracy']:.4f}")
@@ -270,14 +374,25 @@ class Rollout:
     task_scores: torch.Tensor  # [rows] the task's verifiable reward of each completion (1.0 = correct)
     lengths: torch.Tensor  # [world size, rows, 2] every rank's (prompt, completion) lengths, gathered once
     started: float  # wall clock at the start of the step
-    seconds: float  # generation time, this rank
+    seconds: float  # generation time, this rank (split layout: the slowest rollout rank)
     timings: dict[str, float]  # this rank's phases of the step so far (seconds) and token counts, for timings.jsonl
+    step: int
+    version: int  # the weights that sampled it: after update `version` (0 = the starting model)
+    rollout_timings: list[dict[str, float]]  # the split layout: each rollout rank's timings of this batch
 
 
-def generate(engine: object, run: LLMRun, step: int) -> Rollout:
-    """This rank's prompts of `step`, each sampled G times with its own seed from its global coordinates (step,
-    prompt, sample), so no sample depends on which rank draws it or beside whom; then the engine sleeps (on CUDA
-    this frees its memory for training) and the task scores every completion."""
+def evaluation(engine: object, run: LLMRun) -> dict[str, float]:
+    """Held-out greedy accuracy of the current weights: this rank's engine, or (split) the rollout ranks'."""
+    if isinstance(engine, RemoteRollouts):
+        return engine.evaluation()
+    return evaluate(engine, run, run.args.num_eval_prompts, run.args.max_completion_length)
+
+
+def sample_prompts(engine: object, run: LLMRun, step: int
+                   ) -> tuple[list[list[int]], list[Example], list[Sample], float]:
+    """This rank's prompts of `step` (rows: G per prompt), each sampled with its own seed from its global
+    coordinates (step, prompt, sample), so no sample depends on which rank draws it or beside whom; and the seconds
+    the engine took."""
     args, started = run.args, time.time()
     indices, first = prompts_for_rank(step, args.seed, len(run.train_ids), args.prompts_per_step, run.rank,
                                       run.world_size)
@@ -286,19 +401,40 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
     examples = [run.train[i] for i in indices for _ in group]
     seeds = [sample_seed(args.seed, step, first + p, i) for p in range(len(indices)) for i in group]
     samples = engine.generate(prompts, seeds, args.max_completion_length, args.temperature, run.eos_ids)
-    engine.sleep()
-    seconds = time.time() - started
+    return prompts, examples, samples, time.time() - started
+
+
+def generate(engine: object, run: LLMRun, step: int) -> Rollout:
+    """This rank's rows of `step` (`sample_prompts`), then the engine sleeps (on CUDA this frees its memory for
+    training) and the task scores every completion. Split layout: the same rows, sampled and scored by the rollout
+    ranks."""
+    args, started = run.args, time.time()
+    version, rollout_timings = step - 1, []
+    if isinstance(engine, RemoteRollouts):
+        indices, _ = prompts_for_rank(step, args.seed, len(run.train_ids), args.prompts_per_step, run.rank,
+                                      run.world_size)
+        prompts = [run.train_ids[i] for i in indices for _ in range(args.num_generations)]
+        examples = [run.train[i] for i in indices for _ in range(args.num_generations)]
+        payloads = engine.batch(step)
+        samples = [sample for payload in payloads for sample in payload["samples"]]
+        received_scores = [score for payload in payloads for score in payload["scores"]]
+        version, rollout_timings = payloads[0]["version"], [payload["timings"] for payload in payloads]
+        seconds = max(timings["generate_s"] for timings in rollout_timings)
+    else:
+        prompts, examples, samples, seconds = sample_prompts(engine, run, step)
+        engine.sleep()
+    generated = time.time()
     # The step's first collective: every rank's lengths (for token balancing and the timings); this rank waits here
     # for the slowest generator
     mine = torch.tensor([[len(p), len(s.completion_ids)] for p, s in zip(prompts, samples)])
     lengths = all_gather_rows(mine)
     gathered = time.time()
     texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
-    scores = torch.tensor(task_scores(run.task.reward, examples, texts))
-    timings = {"generate_s": seconds, "wait_s": gathered - started - seconds, "score_s": time.time() - gathered,
+    scores = torch.tensor(received_scores if rollout_timings else task_scores(run.task.reward, examples, texts))
+    timings = {"generate_s": generated - started, "wait_s": gathered - generated, "score_s": time.time() - gathered,
                "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
     return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, lengths, started,
-                   seconds, timings)
+                   seconds, timings, step, version, rollout_timings)
 
 
 def judge(reward_model: RewardModel | None, rollout: Rollout) -> torch.Tensor:
@@ -387,7 +523,8 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     unit_pieces = contiguous_pieces([weights[u] for u in mine], count) if mine else []
     pieces = [[i * unit + j for i in piece for j in range(unit)] for piece in unit_pieces]
     balanced = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0),
-                       rollout.lengths, rollout.started, rollout.seconds, rollout.timings)
+                       rollout.lengths, rollout.started, rollout.seconds, rollout.timings, rollout.step,
+                       rollout.version, rollout.rollout_timings)
     return balanced, torch.tensor(values, dtype=per_row.dtype).reshape(len(samples), -1), pieces
 
 
@@ -409,7 +546,11 @@ def micro_batches(rollout: Rollout, pieces: list[list[int] | range], run: LLMRun
 def sync_weights(engine: object, policy: torch.nn.Module, dtype: str, rollout: Rollout | None = None) -> float:
     """Stream the policy's full weights from the FSDP shards into the rollout engine, in the rollout dtype. Returns
     the seconds it took; with `rollout`, adds its two parts to the step's timings: gathering (the generator's own
-    time: casts, collectives, slicing) and reloading (the engine's)."""
+    time: casts, collectives, slicing) and reloading (the engine's; split layout: the broadcast to the rollout ranks
+    and their reload). Split layout with --max-staleness 1: the next batch is received first, in the schedule's
+    order (common/layout.py)."""
+    if rollout is not None and isinstance(engine, RemoteRollouts):
+        engine.receive_next(rollout.step)
     started, gathering = time.time(), 0.0
 
     def timed(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -437,18 +578,24 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
     args = run.args
     metrics["perf/step_s"] = time.time() - rollout.started
     reduce_s = time.time() - rollout.timings.pop("synced_at")  # the statistics' collectives, waits included
+    if isinstance(engine, RemoteRollouts):  # the split layout's staleness and idle times
+        rollout.timings["trainer_wait_s"] = metrics["perf/trainer_wait_s"] = engine.wait_s
+        metrics["perf/rollout_wait_s"] = sum(t["rollout_wait_s"] for t in rollout.rollout_timings) / len(
+            rollout.rollout_timings)
+        metrics.update({"rollout/weight_version": rollout.version, "rollout/staleness": step - 1 - rollout.version})
     tracker.log_timings(step, {**rollout.timings, "train_s": metrics.get("perf/train_s", 0.0), "reduce_s": reduce_s,
-                               "step_s": metrics["perf/step_s"]})
+                               "step_s": metrics["perf/step_s"]}, rollout.rollout_timings)
     if not all(math.isfinite(value) for name, value in metrics.items() if name.endswith("loss")):
         fail(f"non-finite loss at step {step}; the last checkpoint is left as it was")
-    if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
-        metrics.update(evaluate(engine, run, args.num_eval_prompts, args.max_completion_length))
+    if evaluation_due(step, args.eval_every, args.total_steps):
+        metrics.update(evaluation(engine, run))
     tracker.log(step, metrics)
     shown = {"score": "train/score", "acc": "train/accuracy", "eval_acc": "eval/accuracy",
              "tok/s": "perf/rollout_tokens_per_s"}
     tracker.progress(step, args.total_steps, {label: metrics[key] for label, key in shown.items() if key in metrics})
     if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
-        save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer, args, extra)
+        save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer, args, extra,
+                                 getattr(engine, "in_flight", None))
 
 
 def finish(run: LLMRun, engine: object, tracker: RunTracker, policy: torch.nn.Module,

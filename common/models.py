@@ -91,10 +91,10 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
 def fsdp_shard_size(requested: int, world_size: int) -> int:
     """The ranks that shard each model: `--fsdp-shard-size`, or for 0 the ranks per node as torchrun launched them
     (HSDP across nodes), except with one rank per node, where that would replicate whole models (DDP: 122 GB per rank
-    at 7B): then every rank shards (flat FSDP). Resolved here, not in the arguments (they are compared on resume as
-    given): a resume at the same world size on another node layout with 0 shards differently (the checkpoint reads
-    back; the results are not bit for bit)."""
-    return requested or (local_world_size() if local_world_size() > 1 else world_size)
+    at 7B): then every rank shards (flat FSDP), as when the ranks fit in one node (the split layout's trainers).
+    Resolved here, not in the arguments (they are compared on resume as given): a resume at the same world size on
+    another node layout with 0 shards differently (the checkpoint reads back; the results are not bit for bit)."""
+    return requested or (local_world_size() if 1 < local_world_size() < world_size else world_size)
 
 
 def training_mesh(device_type: str, shard_size: int) -> DeviceMesh:

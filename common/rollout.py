@@ -43,7 +43,7 @@ class VLLMEngine:
     ranks share one model and must submit identical requests, so each group gathers its members' prompts first."""
 
     def __init__(self, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
-                 kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> None:
+                 kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True) -> None:
         from vllm import LLM
 
         rank = dist.get_rank()
@@ -52,15 +52,15 @@ class VLLMEngine:
             first = rank - rank % tp
             self.tp_group = dist.new_group(list(range(first, first + tp)), backend="gloo",
                                            use_local_synchronization=True)
+        self.sleeps = device.type == "cuda" and colocated  # sleep mode is CUDA-only; split, nothing else is there
         memory = ({"kv_cache_memory_bytes": kv_cache_memory_bytes} if device.type == "cpu"
-                  else {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True})
+                  else {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": self.sleeps})
         self.llm = LLM(
             model=model_path, dtype=dtype, seed=rank // tp, tensor_parallel_size=tp,
             distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
             max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=device.type == "cpu",
             use_tqdm_on_load=False, hf_overrides={"head_dtype": "float32"}, **memory,  # logits as the trainer's
         )  # eager on CPU: compiling costs more start-up time than it saves on small models
-        self.sleeps = device.type == "cuda"  # sleep mode is CUDA-only
         # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
         self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
 
@@ -225,7 +225,8 @@ def engine_kind(kind: str) -> str:
 
 
 def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
-                kv_cache_memory_bytes: int, gpu_memory_utilization: float) -> VLLMEngine | HFEngine:
+                kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True
+                ) -> VLLMEngine | HFEngine:
     """`auto` picks vLLM when it is installed, else the `transformers` fallback."""
     if engine_kind(kind) == "vllm":
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's info lines stay out of our log
@@ -238,5 +239,6 @@ def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: 
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")  # torch API renames
         if device.type == "cpu":  # eager CPU vLLM still compiles a logprob-rank count on first use: 3 s per process
             torch._dynamo.config.disable = True  # for the same integers (process-wide: nothing else here compiles)
-        return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization)
+        return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization,
+                          colocated)
     return HFEngine(model_path, getattr(torch, dtype), device)

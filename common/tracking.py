@@ -32,8 +32,8 @@ WALL_CLOCK_PREFIXES = ("perf/", "charts/SPS")
 # which is perf/step_s: generation, scoring, the wait in the first collective after it, the update, the weight sync's
 # gathers and the engine's reload, the statistics' reduction) and what sets their cost (lengths, token counts);
 # benchmarks/weak_scaling_sim.py reads it.
-TIMING_FIELDS = ("generate_s", "score_s", "wait_s", "train_s", "sync_gather_s", "sync_reload_s", "reduce_s", "step_s",
-                 "longest_completion", "completions", "tokens", "padded_tokens", "micro_batches")
+TIMING_FIELDS = ("generate_s", "score_s", "wait_s", "trainer_wait_s", "train_s", "sync_gather_s", "sync_reload_s",
+                 "reduce_s", "step_s", "longest_completion", "completions", "tokens", "padded_tokens", "micro_batches")
 
 
 def get_logger(rank: int) -> logging.Logger:
@@ -209,14 +209,16 @@ class RunTracker:
                 file.write(json.dumps({"step": step, **record}, sort_keys=True) + "\n")
                 file.flush()
 
-    def log_timings(self, step: int, timings: dict[str, float]) -> None:
+    def log_timings(self, step: int, timings: dict[str, float], rollout_ranks: list[dict] | None = None) -> None:
         """A collective: this rank's TIMING_FIELDS (absent ones count 0), gathered in one fixed-size all-gather; rank
-        0 writes them as one line of timings.jsonl, a list with one entry per rank."""
+        0 writes them as one line of timings.jsonl, a list with one entry per rank (the split layout: per trainer,
+        and under "rollout_ranks" each rollout rank's timings of the batch trained)."""
         mine = torch.tensor([float(timings.get(name, 0.0)) for name in TIMING_FIELDS], dtype=torch.float64)
         every = all_gather_rows(mine)
         if self.rank == 0:
             ranks = [dict(zip(TIMING_FIELDS, row)) for row in every.tolist()]
-            self.timings_file.write(json.dumps({"step": step, "ranks": ranks}) + "\n")
+            split = {"rollout_ranks": rollout_ranks} if rollout_ranks else {}
+            self.timings_file.write(json.dumps({"step": step, "ranks": ranks, **split}) + "\n")
             self.timings_file.flush()
 
     def progress(self, step: int, total: int, fields: dict[str, float]) -> None:

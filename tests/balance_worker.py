@@ -16,7 +16,7 @@ from common.distributed import all_gather_rows, init_distributed
 from common.llm_run import LLMRun, Rollout, balance_tokens, micro_batches, split
 from common.models import load_model
 from common.rollout import Sample
-from grpo_llm import aggregate_loss, grpo_token_loss
+from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
 
 TINY = "assets/tiny-adder"
 GROUPS, G, MICRO_BATCH_SIZE = 4, 2, 4
@@ -46,8 +46,9 @@ def loss_and_gradient(policy: torch.nn.Module, run: LLMRun, rollout: Rollout, ad
     total = torch.zeros(())
     for batch, rows in zip(micro_batches(rollout, pieces, run, share_prompts), pieces):
         logprobs = token_logprobs(policy, batch, 1.0)
-        per_token = grpo_token_loss(logprobs, batch.rollout_logprobs - 0.1, batch.rollout_logprobs, None,
-                                    advantages[list(rows), None], 0.2, 0.28, 2.0, 0.0)
+        old = batch.rollout_logprobs - 0.1
+        per_token = grpo_token_loss(logprobs, old, truncated_is_weight(old, batch.rollout_logprobs, 2.0), None,
+                                    advantages[list(rows), None], 0.2, 0.28, 0.0)
         loss = aggregate_loss(per_token, batch.mask, "dapo", num_sequences, num_tokens, 40)
         (loss * dist.get_world_size()).backward()
         total += loss.detach()

@@ -49,7 +49,7 @@ def _overriding_kernels(calls: dict[str, int]) -> torch.library.Library:
 def _grpo_update_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The gradients of one GRPO loss (grpo_llm.py's, shared-prompt layout) on a fixed rollout."""
     from common.batching import make_batch, token_logprobs
-    from grpo_llm import aggregate_loss, grpo_token_loss
+    from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
 
     prompts, completions = [[3, 4, 12]] * 2 + [[5, 12, 6, 7, 13]] * 2, [[9, 10, 1], [11], [9, 1], [10, 11, 12]]
     rollout_logprobs = [[-1.0] * len(c) for c in completions]
@@ -58,8 +58,8 @@ def _grpo_update_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     logprobs = token_logprobs(model, batch, temperature=0.7)
     advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
-    per_token = grpo_token_loss(logprobs, logprobs.detach(), batch.rollout_logprobs, None, advantages, 0.2, 0.28, 2.0,
-                                0.0)
+    weight = truncated_is_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
+    per_token = grpo_token_loss(logprobs, logprobs.detach(), weight, None, advantages, 0.2, 0.28, 0.0)
     aggregate_loss(per_token, batch.mask, "dapo", 4, int(batch.mask.sum()), 4).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 

@@ -19,6 +19,8 @@ from grpo_llm import (
     group_advantages,
     grpo_token_loss,
     k3_kl,
+    rollout_correction,
+    sequence_mask,
     truncated_is_weight,
 )
 
@@ -113,8 +115,9 @@ def test_grpo_loss_combines_surrogate_tis_and_kl_by_hand():
     rollout = torch.log(torch.tensor([[0.25, 0.25]]))  # tis weight: min(2, cap 1.5) = 1.5, then 1
     ref = torch.log(torch.tensor([[0.25, 0.25]]))  # k3 = 0.5 - log(0.5) - 1, then 0
     mask = torch.ones(1, 2)
-    per_token = grpo_token_loss(logprobs, logprobs.detach(), rollout, ref, torch.tensor([[2.0]]), clip_eps_low=0.2,
-                                clip_eps_high=0.28, tis_cap=1.5, beta=0.1)
+    weight = rollout_correction(logprobs.detach(), rollout, mask, tis_cap=1.5, seq_mask_cap=0.0)
+    per_token = grpo_token_loss(logprobs, logprobs.detach(), weight, ref, torch.tensor([[2.0]]), clip_eps_low=0.2,
+                                clip_eps_high=0.28, beta=0.1)
     loss = aggregate_loss(per_token, mask, "dapo", num_sequences=1, num_tokens=2, max_completion_length=8)
     k3 = 0.5 - math.log(0.5) - 1
     assert loss.item() == pytest.approx((-2 * 1.5 - 2 * 1.0 + 0.1 * k3) / 2)
@@ -126,10 +129,27 @@ def test_grpo_loss_combines_surrogate_tis_and_kl_by_hand():
     torch.testing.assert_close(logprobs.grad, torch.tensor([[(-2 * 1.5 + 0.1 * (1 - 0.5)) / 2, -2 / 2]]))
 
 
+def test_sequence_mask_by_hand():
+    """Geometric-mean ratios exp(mean_t log(pi_old / pi_rollout)) over real tokens: 2 (log 2, log 2), 1 (log 2 and
+    -log 2, balancing), 4 (log 4 on one real token; the padding's huge ratio is not counted), 1/4 (-log 4)."""
+    log2 = math.log(2)
+    old = torch.tensor([[log2, log2], [log2, -log2], [2 * log2, 50.0], [-2 * log2, 0.0]])
+    rollout = torch.zeros(4, 2)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    torch.testing.assert_close(sequence_mask(old, rollout, mask, cap=3.0), torch.tensor([[1.0], [1.0], [0.0], [0.0]]))
+    torch.testing.assert_close(sequence_mask(old, rollout, mask, cap=1.5), torch.tensor([[0.0], [1.0], [0.0], [0.0]]))
+    torch.testing.assert_close(sequence_mask(old, rollout, mask, cap=5.0), torch.ones(4, 1))
+    # with TIS (cap 2): kept completions keep their capped token ratios, dropped ones weigh 0 on every token
+    weight = rollout_correction(old, rollout, mask, tis_cap=2.0, seq_mask_cap=3.0)
+    torch.testing.assert_close(weight, torch.tensor([[2.0, 2.0], [2.0, 0.5], [0.0, 0.0], [0.0, 0.0]]))
+    assert not weight.requires_grad
+    torch.testing.assert_close(rollout_correction(old, rollout, mask, 2.0, 0.0), truncated_is_weight(old, rollout, 2.0))
+
+
 def test_grpo_loss_masks_padding():
     logprobs = torch.zeros(1, 3, requires_grad=True)
-    per_token = grpo_token_loss(logprobs, logprobs.detach(), torch.zeros(1, 3), None, torch.tensor([[1.0]]), 0.2, 0.28,
-                                2.0, 0.0)
+    per_token = grpo_token_loss(logprobs, logprobs.detach(), torch.ones(1, 3), None, torch.tensor([[1.0]]), 0.2, 0.28,
+                                0.0)
     loss = aggregate_loss(per_token, torch.tensor([[1.0, 0.0, 0.0]]), "dapo", num_sequences=1, num_tokens=1,
                           max_completion_length=8)
     loss.backward()

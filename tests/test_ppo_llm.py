@@ -30,6 +30,8 @@ from ppo_llm import (
     moments,
     policy_loss,
     predicted_values,
+    rollout_correction,
+    sequence_mask,
     token_rewards,
     truncated_is_weight,
     value_clip_active,
@@ -122,7 +124,8 @@ def test_policy_loss_by_hand():
     rollout = torch.log(torch.tensor([[0.5, 1.0, 1.0, 1.0]]))
     advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss = policy_loss(logprobs, old, rollout, advantages, mask, clip_eps=0.2, tis_cap=1.5, num_tokens=3)
+    weight = rollout_correction(old, rollout, mask, tis_cap=1.5, seq_mask_cap=0.0)
+    loss = policy_loss(logprobs, old, weight, advantages, mask, clip_eps=0.2, num_tokens=3)
     assert loss.item() == pytest.approx((-1.2 * 1.5 + 1.5 - 0.5) / 3)
     # the statistics the loop logs next to it, as shares of the token mean
     clipped = clip_active(logprobs, old, advantages, clip_eps=0.2)
@@ -134,9 +137,26 @@ def test_policy_loss_by_hand():
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 1.5, -0.5, 0.0]]) / 3)
 
 
+def test_sequence_mask_drops_whole_completions_by_hand():
+    """Completion 0: token ratios 2 and 1 (geometric mean sqrt 2 = 1.41); completion 1: 4 on its one real token (the
+    padding's ratio does not count). cap 1.5 keeps the first, drops the second on every token; cap 1.3 drops both."""
+    old = torch.log(torch.tensor([[2.0, 1.0], [4.0, 100.0]]))
+    rollout, mask = torch.zeros(2, 2), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    torch.testing.assert_close(sequence_mask(old, rollout, mask, cap=1.5), torch.tensor([[1.0], [0.0]]))
+    torch.testing.assert_close(sequence_mask(old, rollout, mask, cap=1.3), torch.zeros(2, 1))
+    weight = rollout_correction(old, rollout, mask, tis_cap=3.0, seq_mask_cap=1.5)
+    torch.testing.assert_close(weight, torch.tensor([[2.0, 1.0], [0.0, 0.0]]))
+    advantages = torch.ones(2, 2)  # the dropped completion adds nothing to the loss, nor to its gradient
+    logprobs = old.clone().requires_grad_()
+    policy_loss(logprobs, old, weight, advantages, mask, clip_eps=0.2, num_tokens=3).backward()
+    torch.testing.assert_close(logprobs.grad[1], torch.zeros(2))
+    assert logprobs.grad[0].abs().sum() > 0
+
+
 def test_policy_loss_without_tis():
     logprobs, rollout = torch.zeros(1, 2), torch.log(torch.tensor([[0.25, 4.0]]))
-    loss = policy_loss(logprobs, logprobs, rollout, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2, 0.0, 2)
+    weight = rollout_correction(logprobs, rollout, torch.ones(1, 2), tis_cap=0.0, seq_mask_cap=0.0)
+    loss = policy_loss(logprobs, logprobs, weight, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2, 2)
     assert loss.item() == pytest.approx(-1.0) and torch.all(truncated_is_weight(logprobs, rollout, 0.0) == 1.0)
 
 

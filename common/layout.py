@@ -1,0 +1,215 @@
+"""The split layout (`--rollout-ranks K`): the last K ranks only generate, each with its own engine; the first
+N - K only train, FSDP2 over themselves alone; rank 0 (a trainer) writes the run directory. Each side gets a world
+of its own: the default process group is replaced by the side's group (`_update_default_pg`, the private call
+torch's own `shrink_group` makes), so FSDP2, checkpoints, statistics and vLLM's `external_launcher` groups work on
+either side unchanged. Three groups created before the swap join the sides: `world` (every rank; CPU tensors,
+gloo) carries samples and evaluations, `bridge` (trainer rank 0 + the rollout ranks; NCCL on GPUs) the weights.
+
+The schedule is fixed, so the bits do not depend on timing. Batch t is sampled with the weights after update
+t - 1 - S (`--max-staleness S`, 0 or 1; version 0 = the starting model), and every transfer happens at a fixed point
+of both sides' loops, in the same order:
+    S = 0:  trainer  [receive batch t] train t [send weights t] [receive evaluation t, when due]
+            rollout  [generate t, send it] [receive weights t] [evaluate, send it]
+    S = 1:  trainer  train t [receive batch t + 1] [send weights t] [receive evaluation t]
+            rollout  [generate t + 1 with the weights of update t - 1, send it] [receive weights t] [evaluate]
+With S = 1 batch t + 1 is generated while batch t trains; it sits on the trainers when step t ends, so a checkpoint
+holds it (each trainer's rows, gathered onto rank 0's trainer_state.pt) and a resumed run is the uninterrupted one.
+
+Weights, trainer -> rollout, per sync: every trainer iterates the bucketed gather of the FSDP shards
+(`models.stream_weights`, in the rollout dtype); trainer rank 0 concatenates each bucket of about SYNC_BUCKET_BYTES
+and broadcasts it over `bridge` (a header object, then one tensor); each rollout rank loads it into its engine
+before the next bucket comes, so no rank holds the whole model. Qwen2.5-7B in bfloat16: 15.2 GB in 44 buckets of
+259-1,040 MiB, 88 broadcasts. A broadcast pipelines through a ring or tree, so it costs about bytes / bandwidth
+whatever K: over NVLink inside a node (about 400 GB/s that NCCL's collectives reach on H100) 15.2 GB / 400 GB/s =
+38 ms, over 8 x 400 Gb/s InfiniBand (50 GB/s per GPU, one GPU's rail used by rank 0's sends) 15.2 GB / 50 GB/s =
+0.30 s, plus 44 x 2 broadcast latencies (tens of microseconds each) and the engines' reload (2 x 15.2 GB of HBM
+traffic, about 10 ms at 3.35 TB/s): estimates, not measured. With --max-staleness 1 the broadcast is on the critical
+path once per step (the trainer waits for it; the engines stop only for it). Memory: a rollout rank holds the
+engine's bfloat16 weights (15.2 GB), its KV cache (what --vllm-gpu-memory-utilization leaves; the engine has its GPU
+to itself, so raise it towards 0.9) and one bucket in flight (up to 1,040 MiB, the embedding); no optimizer state,
+no gradients, no float32 masters. Trainer rank 0 holds, besides its shards, one gathered bucket and its
+concatenation (2 x 1,040 MiB at most)."""
+
+import math
+import pickle
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _update_default_pg
+
+from common import distributed
+from common.models import SYNC_BUCKET_BYTES
+from common.rollout import Sample
+
+
+@dataclass
+class Layout:
+    """Where this rank stands in the split layout, and the groups that join the two sides."""
+    rollout_ranks: int  # K: the last K ranks generate
+    trainer_ranks: int  # N - K: the first ones train
+    max_staleness: int  # S: batch t is sampled with the weights after update t - 1 - S
+    is_rollout: bool
+    world: dist.ProcessGroup  # every rank: samples and evaluations (CPU tensors, gloo)
+    bridge: dist.ProcessGroup  # trainer rank 0 and the rollout ranks: the weights (NCCL for CUDA tensors)
+
+
+def split_world(rollout_ranks: int, max_staleness: int) -> Layout:
+    """A collective of every rank: the groups, then each side's group becomes its default (rank and world size as
+    `dist` reports them are then the side's), and the long-timeout save group is made again inside it."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    trainers = world_size - rollout_ranks
+    world = dist.group.WORLD
+    trainer_group = dist.new_group(list(range(trainers)))  # new_group is collective over the world: all make all
+    rollout_group = dist.new_group(list(range(trainers, world_size)))
+    bridge = dist.new_group([0, *range(trainers, world_size)])
+    _update_default_pg(rollout_group if rank >= trainers else trainer_group)
+    distributed.renew_save_group()
+    return Layout(rollout_ranks, trainers, max_staleness, rank >= trainers, world, bridge)
+
+
+def evaluation_due(step: int, eval_every: int, total_steps: int) -> bool:
+    return step == total_steps or bool(eval_every and step % eval_every == 0)
+
+
+def _exchange(payloads: list[bytes], group: dist.ProcessGroup) -> list[bytes]:
+    """An all-to-all of byte strings (payloads[r] goes to rank r of `group`), as CPU tensors: sizes, then bytes."""
+    sizes = torch.tensor([len(payload) for payload in payloads], dtype=torch.long)
+    incoming = torch.empty_like(sizes)
+    dist.all_to_all_single(incoming, sizes, group=group)
+    joined = b"".join(payloads)
+    send = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
+    received = torch.empty(int(incoming.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(received, send, incoming.tolist(), sizes.tolist(), group=group)
+    return [bytes(part.numpy()) for part in received.split(incoming.tolist())]
+
+
+def row_ranges(rows: int, parts: int) -> list[range]:
+    """The step's global rows (G consecutive per prompt) cut into `parts` equal contiguous slices."""
+    per_part = rows // parts
+    return [range(part * per_part, (part + 1) * per_part) for part in range(parts)]
+
+
+def send_samples(layout: Layout, rows: range, samples: list[Sample], scores: list[float], version: int,
+                 timings: dict[str, float]) -> None:
+    """A rollout rank's side of the sample transfer: each trainer gets the rows of `rows` it trains, their scores,
+    the weight version that sampled them and this rank's timings."""
+    payloads = [b""] * (layout.trainer_ranks + layout.rollout_ranks)
+    for trainer, wanted in enumerate(row_ranges(len(rows) * layout.rollout_ranks, layout.trainer_ranks)):
+        common = range(max(rows.start, wanted.start), min(rows.stop, wanted.stop))
+        local = slice(common.start - rows.start, common.stop - rows.start) if common else slice(0, 0)
+        payloads[trainer] = pickle.dumps({"samples": samples[local], "scores": scores[local], "version": version,
+                                          "timings": timings})
+    _exchange(payloads, layout.world)
+
+
+def receive_samples(layout: Layout) -> list[dict]:
+    """A trainer's side: one payload per rollout rank, in rank order (their rows are consecutive)."""
+    received = _exchange([b""] * (layout.trainer_ranks + layout.rollout_ranks), layout.world)
+    return [pickle.loads(payload) for payload in received[layout.trainer_ranks:]]
+
+
+def send_weights(layout: Layout, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Every trainer drains `weights` (the gather is their collective); rank 0 broadcasts them bucket by bucket. A
+    tensor yielded again under another name (a tied embedding) travels once, named as an alias."""
+    sender = dist.get_rank() == 0
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if sender:
+            header, tensors, seen = [], [], {}
+            for name, tensor in bucket:
+                if id(tensor) in seen:
+                    header.append((name, seen[id(tensor)], None))
+                else:
+                    seen[id(tensor)] = name
+                    header.append((name, None, tuple(tensor.shape)))
+                    tensors.append(tensor.reshape(-1))
+            flat = torch.cat(tensors)
+            dist.broadcast_object_list([(header, str(flat.dtype).removeprefix("torch."))], group=layout.bridge,
+                                       group_src=0)
+            dist.broadcast(flat, group=layout.bridge, group_src=0)
+        bucket, size = [], 0
+
+    for name, tensor in weights:
+        if size >= SYNC_BUCKET_BYTES and all(tensor is not held for _, held in bucket):  # aliases stay together
+            flush()
+        bucket.append((name, tensor))
+        size += 0 if any(tensor is held for _, held in bucket[:-1]) else tensor.numel() * tensor.element_size()
+    if bucket:
+        flush()
+    if sender:
+        dist.broadcast_object_list([None], group=layout.bridge, group_src=0)
+
+
+def receive_weights(layout: Layout, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """A rollout rank's side: (name, tensor) as the buckets arrive, for the engine's `update_weights`."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, group=layout.bridge, group_src=0)
+        if box[0] is None:
+            return
+        header, dtype = box[0]
+        flat = torch.empty(sum(math.prod(shape) for _, alias, shape in header if alias is None),
+                           dtype=getattr(torch, dtype), device=device)
+        dist.broadcast(flat, group=layout.bridge, group_src=0)
+        offset, by_name = 0, {}
+        for name, alias, shape in header:
+            if alias is None:
+                count = math.prod(shape)
+                by_name[name] = flat[offset:offset + count].view(shape)
+                offset += count
+            yield name, by_name[alias or name]
+
+
+def send_evaluation(layout: Layout, metrics: dict[str, float] | None) -> None:
+    """Rollout rank 0's evaluation reaches every rank (the other rollout ranks pass None)."""
+    dist.broadcast_object_list([metrics], group=layout.world, group_src=layout.trainer_ranks)
+
+
+def receive_evaluation(layout: Layout) -> dict[str, float]:
+    box = [None]
+    dist.broadcast_object_list(box, group=layout.world, group_src=layout.trainer_ranks)
+    return box[0]
+
+
+class RemoteRollouts:
+    """The trainers' stand-in for an engine in the split layout: it receives each step's batch (its own rows) and
+    the evaluations, and sends the weights. `in_flight`: the batch a checkpoint saved (--max-staleness 1)."""
+
+    model_runner = "remote"
+
+    def __init__(self, layout: Layout, total_steps: int, in_flight: list[dict] | None) -> None:
+        self.layout, self.total_steps, self.in_flight = layout, total_steps, in_flight
+        self.wait_s = 0.0  # this step's seconds waiting for samples
+
+    def _receive(self) -> list[dict]:
+        started = time.time()
+        payloads = receive_samples(self.layout)
+        self.wait_s += time.time() - started
+        return payloads
+
+    def batch(self, step: int) -> list[dict]:
+        """Step `step`'s payloads, one per rollout rank: received now (S = 0, or the first step of a fresh S = 1
+        run), else the batch that arrived during the previous step or came with the checkpoint."""
+        self.wait_s = 0.0
+        payloads, self.in_flight = self.in_flight or self._receive(), None
+        return payloads
+
+    def receive_next(self, step: int) -> None:
+        """After update `step`, before its weights go out: with S = 1, the batch of step + 1 (generated meanwhile)."""
+        if self.layout.max_staleness and step < self.total_steps:
+            self.in_flight = self._receive()
+
+    def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        send_weights(self.layout, weights)
+
+    def evaluation(self) -> dict[str, float]:
+        return receive_evaluation(self.layout)
+
+    def close(self) -> None:
+        """The rollout ranks end on their own after the last evaluation."""
