@@ -1,0 +1,28 @@
+"""Run an LLM script with one rank made slow on purpose, for the split layout's test that timing never changes the
+bits: `python tests/slow_rank.py SCRIPT ARGS...` under torchrun, with SLOW_RANK (a global rank), SLOW_GENERATE_S (a
+sleep before each generation on that rank) and SLOW_UPDATE_S (a sleep before each optimizer step on that rank)."""
+
+import os
+import runpy
+import sys
+import time
+
+import common.models
+import common.rollout
+
+if int(os.environ["RANK"]) == int(os.environ["SLOW_RANK"]):
+    generate_s, update_s = float(os.environ.get("SLOW_GENERATE_S", 0)), float(os.environ.get("SLOW_UPDATE_S", 0))
+    for engine in (common.rollout.VLLMEngine, common.rollout.HFEngine, common.rollout.FakeEngine):
+        def slow_generate(self, *args, _generate=engine.generate, **kwargs):
+            time.sleep(generate_s)
+            return _generate(self, *args, **kwargs)
+        engine.generate = slow_generate
+    fast_step = common.models.optimizer_step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(update_s)
+        return fast_step(*args, **kwargs)
+    common.models.optimizer_step = slow_step  # before the script imports it by name
+
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,0 +1,105 @@
+"""The split layout (--rollout-ranks, --max-staleness; common/layout.py): bad layouts refused on every rank, the
+1 + 1 split equal to the single-process colocated run bit for bit (the sample and weight transfers are exact), and
+one-step-off runs that give the same bits with a slow rank and after a resume."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, check, only_run_dir, read_metrics, run_script, script_env
+
+import grpo_llm
+
+SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32",
+         "--eval-every", "2"]
+
+
+@pytest.mark.parametrize("changes, world_size, message", [
+    ({"rollout_ranks": 2}, 2, "leaves no trainer rank"),
+    ({"rollout_ranks": -1}, 2, "--rollout-ranks must be non-negative"),
+    ({"max_staleness": 1}, 2, "--max-staleness 1 needs --rollout-ranks"),
+    ({"rollout_ranks": 1, "max_staleness": 2}, 2, "--max-staleness 0 or 1"),
+    ({"rollout_ranks": 3, "vllm_tp": 2, "prompts_per_step": 3}, 4, "--vllm-tp 2 must divide the rollout ranks (3)"),
+    ({"rollout_ranks": 3, "prompts_per_step": 64}, 4, "must be divisible by the rollout ranks (3)"),
+    ({"rollout_ranks": 1, "prompts_per_step": 64}, 4, "must be divisible by the trainer ranks (3)"),
+    ({"rollout_ranks": 1, "seq_mask_cap": 0.5}, 2, "--seq-mask-cap must be 0 (off) or above 1"),
+])
+def test_bad_layouts_are_refused(changes: dict, world_size: int, message: str, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grpo_llm.check_args(grpo_llm.Args(**changes), world_size)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_layout_stops_every_rank_before_any_engine(tmp_path):
+    result = run_script("dpo_online.py", ["--rollout-ranks", "2", "--run-root", str(tmp_path)], nproc=2, timeout=120)
+    assert result.returncode != 0  # each rank runs the check; torchrun stops the other when the first exits
+    assert "error: --rollout-ranks 2 leaves no trainer rank in a world of 2" in result.stderr
+    assert "Initializing" not in result.stdout + result.stderr and not list(tmp_path.iterdir())  # nothing started
+
+
+def comparable(run_dir):
+    """metrics.jsonl without the split layout's own keys (its weight versions)."""
+    return [{k: v for k, v in m.items() if not k.startswith("rollout/")} for m in read_metrics(run_dir)]
+
+
+def final_hash(run_dir) -> str:
+    return json.loads((run_dir / "final.json").read_text())["parameter_sha256"]
+
+
+@pytest.mark.parametrize("script", ["grpo_llm.py", "dpo_online.py", "ppo_llm.py"])
+def test_one_plus_one_split_equals_the_single_process_run(script: str, tmp_path):
+    """Staleness 0 with one trainer and one rollout rank computes what one process does alone: the same samples
+    (seeds from global coordinates, the same engine seed), the same weights back into the engine (float32 buckets,
+    a broadcast is a copy), the same evaluations. So every metric and the final weights match bit for bit."""
+    args = [*SHORT, "--total-steps", "3", "--seed", "2"]
+    check(run_script(script, [*args, "--run-root", str(tmp_path / "alone")]))
+    check(run_script(script, [*args, "--rollout-ranks", "1", "--run-root", str(tmp_path / "split")], nproc=2))
+    alone, split = only_run_dir(tmp_path / "alone"), only_run_dir(tmp_path / "split")
+    assert comparable(split) == comparable(alone)
+    assert final_hash(split) == final_hash(alone)
+    staleness = [(m["rollout/weight_version"], m["rollout/staleness"]) for m in read_metrics(split) if m["step"]]
+    assert staleness == [(0, 0), (1, 0), (2, 0)]  # batch t sampled with the weights after update t - 1
+    timings = [json.loads(line) for line in (split / "timings.jsonl").read_text().splitlines()]
+    assert [len(t["ranks"]) for t in timings] == [1] * 3 and [len(t["rollout_ranks"]) for t in timings] == [1] * 3
+    perf = read_metrics(split, "perf.jsonl")
+    assert all("perf/trainer_wait_s" in p and "perf/rollout_wait_s" in p for p in perf if p["step"])
+
+
+def run_one_step_off(run_root, extra: list[str], slow: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    args = [*SHORT, "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--rollout-ranks", "1",
+            "--max-staleness", "1", "--run-root", str(run_root), *extra]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    script = [str(ROOT / "tests" / "slow_rank.py"), "grpo_llm.py"] if slow else ["grpo_llm.py"]
+    return subprocess.run([*launcher, *script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**script_env(), **(slow or {})})
+
+
+def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
+    """The same one-step-off run three times: as is; with the rollout rank sleeping 2 s before every generation (the
+    trainer then waits for samples); resumed from step 2's checkpoint with the trainer sleeping 0.5 s before every
+    update. Same metrics.jsonl bytes and final weights each time: the schedule is fixed, whatever is ready first."""
+    check(run_one_step_off(tmp_path / "plain", []))
+    plain = only_run_dir(tmp_path / "plain")
+    reference, reference_hash = (plain / "metrics.jsonl").read_bytes(), final_hash(plain)
+    staleness = [(m["rollout/weight_version"], m["rollout/staleness"]) for m in read_metrics(plain) if m["step"]]
+    assert staleness == [(0, 0), (0, 1), (1, 1), (2, 1)]  # batch t sampled with the weights after update t - 2
+    checkpoint = plain / "checkpoints" / "step_00000002"
+    in_flight = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["in_flight"][0]
+    assert in_flight[0]["version"] == 1 and len(in_flight[0]["samples"]) == 16 * 4  # step 3's batch, trainer 0's rows
+
+    check(run_one_step_off(tmp_path / "slow_rollout", [], {"SLOW_RANK": "1", "SLOW_GENERATE_S": "2.0"}))
+    slow_rollout = only_run_dir(tmp_path / "slow_rollout")
+    assert (slow_rollout / "metrics.jsonl").read_bytes() == reference
+    assert final_hash(slow_rollout) == reference_hash
+    def trainer_wait(run_dir) -> float:  # steps 1-3 wait for a generation (step 4 trains the last batch)
+        return sum(p["perf/trainer_wait_s"] for p in read_metrics(run_dir, "perf.jsonl") if p["step"] in (1, 2, 3))
+    assert trainer_wait(slow_rollout) - trainer_wait(plain) > 3.0  # the sleeps acted: 3 x 2 s, less some training
+
+    check(run_one_step_off(tmp_path / "unused", ["--resume", str(checkpoint)], {"SLOW_RANK": "0",
+                                                                                  "SLOW_UPDATE_S": "0.5"}))
+    assert (plain / "metrics.jsonl").read_bytes() == reference  # the resume continued in the same run directory
+    assert final_hash(plain) == reference_hash
+    assert min(p["perf/train_s"] for p in read_metrics(plain, "perf.jsonl") if p["step"] > 2) > 0.5
