@@ -3,12 +3,15 @@ T(N0) / T(N) for N = 1 ... 1,024 GPUs, N0 = 1 and 8, for today's design and with
 
 The layout is colocated: every rank generates with its own engine, then all ranks train in FSDP lock step, then the
 weights sync into every engine. The per-GPU workload is fixed (weak scaling), so a perfect system keeps T(N) = T(1).
+--one-step-off predicts the split layout instead (K GPUs generate, N - K train; below).
 
     python benchmarks/weak_scaling_sim.py                                  # H100 and H200 x both workloads
     python benchmarks/weak_scaling_sim.py --out benchmarks/results/weak_scaling        # + tables.md, CSV, PNG
     python benchmarks/weak_scaling_sim.py --constants benchmarks/scaling_constants/h200.json --lognormal 600 0.8 4096
     python benchmarks/weak_scaling_sim.py --timings runs/<run>/timings.jsonl \\
         --constants benchmarks/scaling_constants/cpu_2core.json --machines 2          # predicted vs measured
+    python benchmarks/weak_scaling_sim.py --one-step-off --constants benchmarks/scaling_constants/h100.json \\
+        --out benchmarks/results/weak_scaling           # split layout: one_step_off.md and one_step_off.png
 
 Inputs. Hardware constants come from a JSON file, one {"value": ..., "source": "..."} per constant (a datasheet, our
 own measurement, or a stated assumption; an entry without a source is refused). Completion lengths are drawn per
@@ -48,6 +51,42 @@ vLLM's scheduler and preemption, the engine's sleep and wake, scoring, logging a
 unknown on GPUs: it would raise every efficiency), memory (7B does not train on one GPU, and 64 sequences of 16k
 tokens need 66 GB of KV cache: N = 1 is the arithmetic reference), network contention, stragglers other than length.
 
+Split layout (--one-step-off; grpo_llm.py's --rollout-ranks K --max-staleness S, common/layout.py). K of the N
+GPUs only generate, an engine each holding bf16 weights and KV cache; the other N - K only train, with every fix on
+(FSDP2 over the trainers, HSDP inside nodes, "balance" packing, bucketed gathers, 3 bookkeeping collectives). The
+global batch stays colocated's, N x 64 completions: its prompts are dealt to the engines round robin (a prompt's
+completions on one engine), so an engine decodes N / K times a colocated rank's sequences at once (the weight read
+shared by more of them, the KV read grown), and the trainers share the rows as "balance" does, N / (N - K) times a
+rank's tokens each. Per step:
+- generation: as above, on the engines' lengths; the step waits for the slowest engine;
+- transfer: the lengths' all-gather and the samples' all-to-all (12 bytes a token) over the whole job, B = the
+  busiest rank's bytes (an engine sending, or a trainer receiving), priced as NCCL's (the script's gloo, through
+  the CPUs, is slower);
+- training, bookkeeping: as above over the N - K trainers (the 3 collectives over the whole job);
+- sync_gather: the bucketed all-gather of the bf16 weights inside the trainers' shard group (their node);
+- sync_broadcast: one trainer broadcasts W to the K engines, 256 MiB buckets, each a pipelined ring over K + 1 GPUs:
+  its ring latency (K hops; past one node the engines fill whole nodes and the sender is on another) + the bytes once
+  through the slowest link (W / bandwidth: every GPU receives all of W);
+- sync_reload: every engine's 2 W / HBM, side by side.
+Staleness 0 (synchronous): T = generation + transfer + training + bookkeeping + sync_gather + sync_broadcast
++ sync_reload. Staleness 1 (one-step-off: batch t + 1 generates, with the weights from before batch t's update, while
+the trainers train on batch t): T = max(generation of batch t + 1, training + bookkeeping of batch t) + transfer +
+sync_gather + sync_broadcast + sync_reload. What overlaps: the engines' decoding with the trainers' update and
+bookkeeping, nothing else. What does not: the weights' gather, broadcast and reload (the next generation needs
+them, and the script's trainers wait for the broadcast too, although it could run under the next update), and the
+samples' transfer (the next update needs them). The steps pair generation of step t + 1 with training of step t,
+the last with the first (the steady state of the pipeline); T is the mean over steps.
+K: the allowed K nearest --rollout-fraction x N (default 0.25: the README of verl's recipe/one_step_off_policy runs
+Qwen2.5-Math-7B on 16 GPUs, 4 generating and 12 training) and, per N and staleness, the allowed K of the lowest
+mean step (the minimum over up to 127 candidates of 32 steps each: slightly optimistic). Allowed: whole nodes
+(multiples of gpus_per_node) once N spans two nodes, so that the trainers hold whole nodes (at N = 16 K is then 8,
+not 4); any 1 <= K < N inside one node. N = 1 cannot split: its split rows are colocated "all fixes"'. A split row's
+efficiency is T_all fixes(N0) / T(N) against colocated "all fixes" (same fixes, same batch), N0 = 1 and 8, so above
+1 where the split beats it; its tokens per GPU-second against "all fixes" at the same N is T_all fixes(N) / T(N).
+Not modelled, besides the above: memory (each engine decodes all its sequences at once: no cap on running
+sequences, no preemption; the tables give its KV cache at the peak, see kv_peak_bytes), what staleness does to
+learning, partial rollouts, the script's header broadcast before each bucket.
+
 Timings mode (--timings) predicts the mean step time of a run on the CPU test bed (fake engine: generation is a
 sleep of tau0 per token of the longest completion) from its own `timings.jsonl` (one line per step from rank 0:
 {"step", "ranks": [{"longest_completion", "padded_tokens", "micro_batches", ... measured seconds}, ...]}), using the
@@ -70,7 +109,9 @@ import argparse
 import csv
 import json
 import math
+import shlex
 import statistics
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -85,6 +126,10 @@ PHASES = ("generation", "balance", "training", "bookkeeping", "sync_gather", "sy
 BOOKKEEPING_COLLECTIVES = {"today": 10, "fewer_collectives": 3}
 SYNC_BUCKET_BYTES = 256 * 2**20  # common/models.py's bucket
 BALANCE_BYTES_PER_TOKEN = 12  # int64 token id + float32 engine logprob
+SPLIT_BASE = "all fixes"  # the split layout trains with every fix, so its efficiency is against this colocated one
+SPLIT_FIXES = CONFIGS[SPLIT_BASE]
+SPLIT_PHASES = ("generation", "transfer", "training", "bookkeeping", "sync_gather", "sync_broadcast", "sync_reload")
+STALENESS = (0, 1)  # synchronous; one-step-off
 
 
 @dataclass(frozen=True)
@@ -159,10 +204,19 @@ def collective_s(gathered_bytes: float, ranks: int, nodes: int, constants: dict[
     (nodes - 1) across them, and each GPU's share of the bytes through the slowest link."""
     if ranks == 1:
         return 0.0
-    latency = (constants["collective_base_latency"] + (ranks - nodes) * constants["nvlink_latency"]
-               + (nodes - 1) * constants["ib_latency"])
-    bandwidth = constants["ib_bandwidth"] if nodes > 1 else constants["nvlink_bandwidth"]
-    return count * latency + gathered_bytes * (ranks - 1) / ranks / bandwidth
+    return count * ring_latency_s(ranks, nodes, constants) + gathered_bytes * (ranks - 1) / ranks / link_bandwidth(
+        nodes, constants)
+
+
+def ring_latency_s(ranks: int, nodes: int, constants: dict[str, float]) -> float:
+    """Latency of one collective over a ring of `ranks` GPUs on `nodes` nodes: base + each hop's."""
+    return (constants["collective_base_latency"] + (ranks - nodes) * constants["nvlink_latency"]
+            + (nodes - 1) * constants["ib_latency"])
+
+
+def link_bandwidth(nodes: int, constants: dict[str, float]) -> float:
+    """Bytes per second per direction of a group's slowest link: InfiniBand once the group spans nodes."""
+    return constants["ib_bandwidth"] if nodes > 1 else constants["nvlink_bandwidth"]
 
 
 def shard_group(constants: dict[str, float], ranks: int, fixes: frozenset[str]) -> int:
@@ -176,7 +230,6 @@ def generation_s(lengths: np.ndarray, workload: Workload, model: Model, constant
     hbm, flops = constants["hbm_bandwidth"], constants["matmul_flops"]
     weight_read = 2 * model.matmul_parameters / hbm
     per_sequence = 2 * model.matmul_parameters / flops
-    kv_bytes_per_token = 2 * model.layers * model.kv_heads * model.head_dim * 2
     longest_first = -np.sort(-lengths, axis=-1)
     # between the j-th and the (j+1)-th longest completion, j sequences are live
     shorter = np.concatenate([longest_first[..., 1:], np.zeros_like(longest_first[..., :1])], axis=-1)
@@ -184,8 +237,15 @@ def generation_s(lengths: np.ndarray, workload: Workload, model: Model, constant
     decode = ((longest_first - shorter) * np.maximum(weight_read, live * per_sequence)).sum(-1)
     # sequence of length L reads sum over k = 1..L of (prompt + k) cached tokens
     cached_tokens = (workload.prompt_tokens * lengths + lengths * (lengths + 1) / 2).sum(-1)
-    prefill = 2 * model.matmul_parameters * workload.prompts * workload.prompt_tokens / flops
-    return prefill + decode + cached_tokens * kv_bytes_per_token / hbm
+    # a 0 is a slot left empty (an engine of the split layout dealt one prompt fewer): no prompt to prefill
+    prompts = (lengths > 0).sum(-1) / workload.generations
+    prefill = 2 * model.matmul_parameters * prompts * workload.prompt_tokens / flops
+    return prefill + decode + cached_tokens * kv_bytes_per_token(model) / hbm
+
+
+def kv_bytes_per_token(model: Model) -> int:
+    """Bytes of KV cache a token holds: keys and values, every layer, bf16."""
+    return 2 * model.layers * model.kv_heads * model.head_dim * 2
 
 
 def padded_micro_batches(lengths: np.ndarray, workload: Workload) -> list[np.ndarray]:
@@ -196,11 +256,13 @@ def padded_micro_batches(lengths: np.ndarray, workload: Workload) -> list[np.nda
     return list(np.stack(padded, axis=-1).max(axis=1))  # [steps] of [micro-batches], max over ranks
 
 
-def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int) -> np.ndarray:
+def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int, ranks: int | None = None) -> np.ndarray:
     """[steps, ranks] tokens per rank once the step's completions are redistributed: each round hands the next `ranks`
     longest rows to the ranks in order of load, lightest first (greedy longest-first, as the fix's partition,
-    common/batching.py's balanced_partition; at 64 rows per rank it leaves every rank within 1% of the mean)."""
-    steps, ranks, _ = lengths.shape
+    common/batching.py's balanced_partition; at 64 rows per rank it leaves every rank within 1% of the mean).
+    `ranks`: those that share the rows, by default the ranks that generated them (the split layout's trainers)."""
+    steps = lengths.shape[0]
+    ranks = lengths.shape[1] if ranks is None else ranks
     rows = -np.sort(-(lengths.reshape(steps, -1) + prompt_tokens), axis=1)
     loads = np.zeros((steps, ranks))
     step_index = np.arange(steps)[:, None]
@@ -211,10 +273,11 @@ def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int) -> np.ndarray:
     return loads
 
 
-def packed_micro_batches(lengths: np.ndarray, workload: Workload) -> list[np.ndarray]:
-    """With "balance", per step: each micro-batch's tokens on its slowest rank, rows packed to the token budget."""
+def packed_micro_batches(lengths: np.ndarray, workload: Workload, ranks: int | None = None) -> list[np.ndarray]:
+    """With "balance", per step: each micro-batch's tokens on its slowest rank, rows packed to the token budget;
+    `ranks` the trainers as in balanced_rank_tokens."""
     budget = workload.micro_batch_rows * (workload.prompt_tokens + workload.cap)
-    fullest = balanced_rank_tokens(lengths, workload.prompt_tokens).max(axis=1)
+    fullest = balanced_rank_tokens(lengths, workload.prompt_tokens, ranks).max(axis=1)
     return [np.full(math.ceil(tokens / budget), tokens / math.ceil(tokens / budget)) for tokens in fullest]
 
 
@@ -233,15 +296,15 @@ def fsdp_comm_s(model: Model, constants: dict[str, float], ranks: int, fixes: fr
 
 
 def training_s(micro_batches: list[np.ndarray], workload: Workload, model: Model, constants: dict[str, float],
-               ranks: int, fixes: frozenset[str], overlap: bool = True) -> float:
-    """Mean seconds of the update over the steps: micro-batches in lock step, then the replicas' all-reduce.
+               ranks: int, fixes: frozenset[str], overlap: bool = True) -> np.ndarray:
+    """[steps] seconds of each step's update: micro-batches in lock step, then the replicas' all-reduce.
     `overlap`: FSDP's communication hides under the compute (max of the two); otherwise they add."""
     flops = constants["matmul_flops"] * constants["train_efficiency"]
     seconds_per_token = (6 + 2 * workload.forward_passes) * model.matmul_parameters / flops
     per_micro_batch, per_step = fsdp_comm_s(model, constants, ranks, fixes, workload.forward_passes)
     combine = np.maximum if overlap else np.add
     lock_step = [combine(tokens * seconds_per_token, per_micro_batch).sum() for tokens in micro_batches]
-    return float(np.mean(lock_step)) + per_step
+    return np.array(lock_step) + per_step
 
 
 def balance_s(ranks: int, workload: Workload, mean_rank_tokens: float, constants: dict[str, float]) -> float:
@@ -280,8 +343,8 @@ def simulate(constants: dict[str, float], workload: Workload, model: Model = QWE
             gather, reload = weight_sync_s(model, constants, ranks, fixes)
             phases = {"generation": generation,
                       "balance": balance_s(ranks, workload, mean_rank_tokens, constants) if "balance" in fixes else 0.0,
-                      "training": training_s(micro_batches["balance" in fixes], workload, model, constants, ranks,
-                                             fixes, overlap),
+                      "training": float(training_s(micro_batches["balance" in fixes], workload, model, constants,
+                                                   ranks, fixes, overlap).mean()),
                       "bookkeeping": bookkeeping_s(ranks, constants, fixes), "sync_gather": gather,
                       "sync_reload": reload}
             results[config][ranks] = {**phases, "step": sum(phases.values()),
@@ -289,9 +352,134 @@ def simulate(constants: dict[str, float], workload: Workload, model: Model = QWE
     return results
 
 
-def efficiency(per_size: dict[int, dict[str, float]], base: int) -> dict[int, float]:
-    """T(base) / T(N) for N >= base (weak scaling)."""
-    return {n: per_size[base]["step"] / row["step"] for n, row in per_size.items() if n >= base and base in per_size}
+def efficiency(per_size: dict[int, dict[str, float]], base: int,
+               reference: dict[int, dict[str, float]] | None = None) -> dict[int, float]:
+    """T(base) / T(N) for N >= base (weak scaling); T(base) the configuration's own unless `reference` is given."""
+    reference = per_size if reference is None else reference
+    return {n: reference[base]["step"] / row["step"] for n, row in per_size.items() if n >= base and base in reference}
+
+
+def efficiencies(results: dict[str, dict[int, dict[str, float]]], base: int) -> dict[str, dict[int, float]]:
+    """Every configuration's efficiency from `base`: a colocated one against its own T(base), a split one against
+    the colocated "all fixes" (the same fixes, one layout)."""
+    return {config: efficiency(per_size, base, None if config in CONFIGS else results[SPLIT_BASE])
+            for config, per_size in results.items()}
+
+
+# ---------------------------------------------------------------- split layout (--one-step-off)
+def rollout_engine_lengths(lengths: np.ndarray, workload: Workload, engines: int) -> np.ndarray:
+    """[steps, engines, completions] the step's whole batch dealt to `engines` engines prompt by prompt, round robin
+    (a prompt's completions stay on one engine); an engine dealt one prompt fewer ends in 0s (empty slots)."""
+    steps, generations = lengths.shape[0], workload.generations
+    groups = lengths.reshape(steps, -1, generations)
+    rounds = math.ceil(groups.shape[1] / engines)
+    dealt = np.zeros((steps, rounds * engines, generations))
+    dealt[:, :groups.shape[1]] = groups
+    return dealt.reshape(steps, rounds, engines, generations).transpose(0, 2, 1, 3).reshape(steps, engines, -1)
+
+
+def kv_peak_bytes(lengths: np.ndarray, workload: Workload, model: Model) -> np.ndarray:
+    """[steps, ranks] bytes of KV cache at its fullest while a rank decodes its completions, all at once: just before
+    the j-th longest finishes, j sequences hold prompt + that many tokens. Prompts counted once per sequence (prefix
+    caching would share them within a prompt's group: high by at most prompt / (prompt + completion))."""
+    longest_first = -np.sort(-lengths, axis=-1)
+    live = np.arange(1, lengths.shape[-1] + 1)
+    held = np.where(longest_first > 0, live * (workload.prompt_tokens + longest_first), 0.0)
+    return held.max(-1) * kv_bytes_per_token(model)
+
+
+def weight_broadcast_s(model: Model, constants: dict[str, float], ranks: int, rollout_ranks: int) -> float:
+    """Seconds of one trainer broadcasting the bf16 weights to the `rollout_ranks` engines in 256 MiB buckets, each a
+    pipelined ring over rollout_ranks + 1 GPUs: its ring latency, and the bytes once through the slowest link (every
+    GPU receives all of them: W / bandwidth, not an all-gather's W (g - 1) / g)."""
+    weight_bytes = 2 * model.parameters
+    # past one node the engines fill whole nodes and the sending trainer is on another
+    nodes = 1 if ranks <= constants["gpus_per_node"] else nodes_spanned(constants, rollout_ranks) + 1
+    buckets = math.ceil(weight_bytes / SYNC_BUCKET_BYTES)
+    return (buckets * ring_latency_s(rollout_ranks + 1, nodes, constants)
+            + weight_bytes / link_bandwidth(nodes, constants))
+
+
+def split_phases(lengths: np.ndarray, workload: Workload, model: Model, constants: dict[str, float],
+                 rollout_ranks: int, overlap: bool = True) -> dict[str, np.ndarray]:
+    """{phase: [steps] seconds} of the split layout: `rollout_ranks` of the lengths' ranks generate the whole batch,
+    the others train it with every colocated fix on."""
+    steps, ranks = lengths.shape[:2]
+    trainers = ranks - rollout_ranks
+    engines = rollout_engine_lengths(lengths, workload, rollout_ranks)
+    rank_tokens = float((lengths + workload.prompt_tokens).sum(-1).mean())
+    # the all-to-all waits for the busiest rank: an engine sending, or a trainer receiving
+    busiest_tokens = max(ranks / rollout_ranks, ranks / trainers) * rank_tokens
+    gather, reload = weight_sync_s(model, constants, trainers, SPLIT_FIXES)
+    per_step = {"transfer": balance_s(ranks, workload, busiest_tokens, constants),
+                "bookkeeping": bookkeeping_s(ranks, constants, SPLIT_FIXES), "sync_gather": gather,
+                "sync_broadcast": weight_broadcast_s(model, constants, ranks, rollout_ranks), "sync_reload": reload}
+    return {"generation": generation_s(engines, workload, model, constants).max(axis=1),
+            "training": training_s(packed_micro_batches(lengths, workload, trainers), workload, model, constants,
+                                   trainers, SPLIT_FIXES, overlap),
+            **{phase: np.full(steps, seconds) for phase, seconds in per_step.items()}}
+
+
+def split_step_s(phases: dict[str, np.ndarray], staleness: int) -> np.ndarray:
+    """[steps] seconds of a split step. Staleness 0: every phase in turn. Staleness 1: batch t + 1 generates while
+    batch t trains (steps wrap around: the steady state); the weights' gather, broadcast and reload and the samples'
+    transfer stay on the critical path."""
+    serial = phases["transfer"] + phases["sync_gather"] + phases["sync_broadcast"] + phases["sync_reload"]
+    trainer = phases["training"] + phases["bookkeeping"]
+    if staleness == 0:
+        return phases["generation"] + trainer + serial
+    if staleness == 1:
+        return np.maximum(np.roll(phases["generation"], -1), trainer) + serial
+    raise ValueError(f"staleness {staleness}: the model has 0 (synchronous) and 1 (one-step-off)")
+
+
+def rollout_rank_choices(ranks: int, constants: dict[str, float]) -> list[int]:
+    """The K tried: whole nodes once the job spans two or more, any split of the GPUs inside one."""
+    per_node = int(constants["gpus_per_node"])
+    return list(range(per_node, ranks, per_node)) if ranks >= 2 * per_node else list(range(1, ranks))
+
+
+def split_config(staleness: int, fraction: float | None) -> str:
+    """A split configuration's name: K a fraction of N, or (None) the best K."""
+    return f"split S={staleness}, " + ("best K" if fraction is None else f"K = {fraction:g} N")
+
+
+def simulate_split(constants: dict[str, float], workload: Workload, model: Model = QWEN25_7B,
+                   world_sizes: tuple[int, ...] = WORLD_SIZES, steps: int = 32, seed: int = 1, fraction: float = 0.25,
+                   overlap: bool = True) -> dict[str, dict[int, dict[str, float]]]:
+    """{configuration: {N: row}}: colocated "today" and "all fixes" (as simulate), then the split layout at staleness 0
+    and 1, with K the allowed value nearest fraction x N and with the K of the lowest mean step. A split row holds its
+    SPLIT_PHASES' means, "step", "rollout_ranks" (K), "longest" and "kv_peak" (the fullest engine's bytes, mean over
+    steps). N = 1 cannot split: its split rows are colocated "all fixes"' (K = 0)."""
+    colocated = simulate(constants, workload, model, world_sizes, steps, seed, overlap)
+    results = {config: colocated[config] for config in ("today", SPLIT_BASE)}
+    for staleness in STALENESS:
+        results |= {split_config(staleness, fraction): {}, split_config(staleness, None): {}}
+    for ranks in world_sizes:
+        lengths = draw_lengths(workload, ranks, steps, np.random.default_rng([seed, ranks]))
+        longest = float(lengths.max(axis=(1, 2)).mean())
+        if ranks == 1:
+            row = colocated[SPLIT_BASE][1]
+            unsplit = {**{phase: row[phase] for phase in SPLIT_PHASES if phase in row}, "transfer": row["balance"],
+                       "sync_broadcast": 0.0, "step": row["step"], "rollout_ranks": 0, "longest": longest,
+                       "kv_peak": float(kv_peak_bytes(lengths, workload, model).mean())}
+            for config in results:
+                if config not in CONFIGS:
+                    results[config][1] = unsplit
+            continue
+        candidates = {k: split_phases(lengths, workload, model, constants, k, overlap)
+                      for k in rollout_rank_choices(ranks, constants)}
+        nearest = min(candidates, key=lambda k: abs(k - fraction * ranks))
+        for staleness in STALENESS:
+            step_s = {k: float(split_step_s(phases, staleness).mean()) for k, phases in candidates.items()}
+            for config, k in ((split_config(staleness, fraction), nearest),
+                              (split_config(staleness, None), min(step_s, key=step_s.get))):
+                engines = rollout_engine_lengths(lengths, workload, k)
+                results[config][ranks] = {
+                    **{phase: float(seconds.mean()) for phase, seconds in candidates[k].items()}, "step": step_s[k],
+                    "rollout_ranks": k, "longest": longest,
+                    "kv_peak": float(kv_peak_bytes(engines, workload, model).max(axis=1).mean())}
+    return results
 
 
 # ---------------------------------------------------------------- timings mode (CPU test bed, fake engine)
@@ -344,8 +532,7 @@ def timings_report(records: list[dict], constants: dict[str, float], machines: i
 def efficiency_table(results: dict[str, dict[int, dict[str, float]]], base: int) -> str:
     sizes = [n for n in next(iter(results.values())) if n >= base]
     lines = [f"| efficiency from {base} | " + " | ".join(map(str, sizes)) + " |", "|---" * (len(sizes) + 1) + "|"]
-    for config, per_size in results.items():
-        scaled = efficiency(per_size, base)
+    for config, scaled in efficiencies(results, base).items():
         lines.append(f"| {config} | " + " | ".join(f"{scaled[n]:.2f}" for n in sizes) + " |")
     return "\n".join(lines)
 
@@ -363,10 +550,14 @@ def phase_table(per_size: dict[int, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def workload_title(hardware: str, workload: Workload) -> str:
+    return (f"## {hardware}, workload {workload.name} (lognormal median {workload.median:g}, sigma "
+            f"{workload.sigma:g}, cap {workload.cap:,}; {workload.prompts} x {workload.generations} completions of "
+            f"{workload.prompt_tokens}-token prompts per GPU)")
+
+
 def report(hardware: str, workload: Workload, results: dict[str, dict[int, dict[str, float]]]) -> str:
-    title = (f"## {hardware}, workload {workload.name} (lognormal median {workload.median:g}, sigma "
-             f"{workload.sigma:g}, cap {workload.cap:,}; {workload.prompts} x {workload.generations} completions of "
-             f"{workload.prompt_tokens}-token prompts per GPU)")
+    title = workload_title(hardware, workload)
     ranks = sorted(next(iter(results.values())))
     tail = ", ".join(f"N = {n}: {expected_longest(workload.median, workload.sigma, n * workload.completions):,.0f}"
                      for n in (ranks[0], ranks[-1]))
@@ -375,6 +566,79 @@ def report(hardware: str, workload: Workload, results: dict[str, dict[int, dict[
              f"Expected longest of the step's N x {workload.completions} completions without the cap (Hazen): {tail}."]
     parts += [f"### {config}\n\n" + phase_table(per_size) for config, per_size in results.items()]
     return "\n\n".join(parts)
+
+
+def split_choice_table(results: dict[str, dict[int, dict[str, float]]]) -> str:
+    """Per N, each split configuration's K, then its tokens per GPU-second against colocated "all fixes" at the same
+    N (the same tokens on the same GPUs: T_all fixes(N) / T(N))."""
+    split = [config for config in results if config not in CONFIGS]
+    sizes = list(results[SPLIT_BASE])
+    lines = ["| N | " + " | ".join(map(str, sizes)) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for config in split:
+        chosen = (results[config][n]["rollout_ranks"] for n in sizes)
+        lines.append(f"| K, {config} | " + " | ".join(str(k) if k else "-" for k in chosen) + " |")
+    for config in split:
+        ratios = (results[SPLIT_BASE][n]["step"] / results[config][n]["step"] for n in sizes)
+        lines.append(f"| throughput / all fixes', {config} | " + " | ".join(f"{ratio:.2f}" for ratio in ratios) + " |")
+    return "\n".join(lines)
+
+
+def split_phase_table(results: dict[str, dict[int, dict[str, float]]], config: str) -> str:
+    """A split configuration's seconds per phase against N (means over steps; at staleness 1 the step is not their
+    sum), its K, efficiencies, throughput against "all fixes" and the fullest engine's KV cache at its peak."""
+    per_size, base = results[config], results[SPLIT_BASE]
+    from_1, from_8 = efficiency(per_size, 1, base), efficiency(per_size, 8, base)
+    lines = ["| N | K | " + " | ".join(SPLIT_PHASES) + " | step | eff. from 1 | eff. from 8 | throughput / all fixes' "
+             "| KV peak per engine (GB) | longest completion |", "|---" * (len(SPLIT_PHASES) + 8) + "|"]
+    for n, row in per_size.items():
+        cells = [str(row["rollout_ranks"] or "-"), *(f"{row[phase]:.3f}" for phase in (*SPLIT_PHASES, "step"))]
+        cells += [f"{from_1[n]:.2f}" if n in from_1 else "", f"{from_8[n]:.2f}" if n in from_8 else "",
+                  f"{base[n]['step'] / row['step']:.2f}", f"{row['kv_peak'] / 1e9:.0f}", f"{row['longest']:.0f}"]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def split_report(hardware: str, workload: Workload, results: dict[str, dict[int, dict[str, float]]]) -> str:
+    parts = [workload_title(hardware, workload),
+             "Model prediction, not a measurement. Colocated rows against their own T(N0); split rows against "
+             "colocated all fixes' T(N0).", efficiency_table(results, 1), efficiency_table(results, 8),
+             split_choice_table(results)]
+    parts += [f"### {config}\n\n" + split_phase_table(results, config) for config in results if config not in CONFIGS]
+    return "\n\n".join(parts)
+
+
+def split_header(command: str, constants_paths: list[Path], fraction: float) -> str:
+    """one_step_off.md's opening: what the page is, the command that made it, the layout, and the constants."""
+    lines = ["# One-step-off split layout, Qwen2.5-7B: a model prediction", "",
+             "**Everything on this page is a model prediction, not a measurement**, made by "
+             "`benchmarks/weak_scaling_sim.py` (its docstring has the formulas and what is not modelled):", "",
+             f"    {command}", "",
+             "K of the N GPUs only generate (an engine each: bf16 weights and KV cache), the other N - K only train "
+             "(FSDP2, HSDP inside nodes, balance packing, bucketed sync, 3 bookkeeping collectives: colocated all "
+             "fixes' training). The global batch is colocated's (64 completions x N): each engine decodes N / K "
+             "times a colocated rank's completions at once, each trainer trains N / (N - K) times its tokens. "
+             "Staleness 0 (S=0): generation, transfer, training, bookkeeping, the weights' gather, broadcast and "
+             "reload in turn. Staleness 1 (S=1, one-step-off): batch t + 1 generates while batch t trains; the "
+             "weights' gather, broadcast and reload and the samples' transfer do not overlap.", "",
+             f"K: \"K = {fraction:g} N\" is the allowed K nearest {fraction:g} N (verl's one-step-off recipe: 4 of "
+             "16 GPUs generate); allowed are whole nodes once N spans two (so at N = 16 K is 8, not 4), any "
+             "1 <= K < N inside one node. \"best K\": the allowed K of the lowest mean step, per N and staleness. "
+             "N = 1 cannot split: the split rows' N = 1 is colocated all fixes.", "",
+             "Efficiency: today and all fixes against their own T(N0), as in tables.md; the split rows against "
+             "colocated all fixes' T(N0), N0 = 1 and 8, so a split row and the all-fixes row compare directly. "
+             "\"throughput / all fixes'\": tokens per GPU-second against colocated all fixes at the same N, "
+             "T_all fixes(N) / T(N).", "",
+             "Memory is not modelled: every engine decodes all its sequences at once (no cap on running sequences, "
+             "no preemption). \"KV peak per engine\" is the cache that would need (prompts counted per sequence); "
+             "an H100 has 80 GB, 15 GB of it an engine's weights.", "",
+             "The curves (with --out): [one_step_off.png](one_step_off.png).", ""]
+    for path in constants_paths:
+        entries = json.loads(Path(path).read_text())
+        lines += [f"Constants, `{path}`:", "",
+                  "| constant | value | source |", "|---|---|---|"]
+        lines += [f"| {name} | {entry['value']:g} | {entry['source']} |" for name, entry in entries.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def write_csv(path: Path, rows: list[tuple[str, str, dict[str, dict[int, dict[str, float]]]]]) -> None:
@@ -391,7 +655,8 @@ def write_csv(path: Path, rows: list[tuple[str, str, dict[str, dict[int, dict[st
                                      f"{from_8.get(n, float('nan')):.4f}", f"{row['longest']:.1f}"])
 
 
-def plot(path: Path, rows: list[tuple[str, str, dict[str, dict[int, dict[str, float]]]]]) -> bool:
+def plot(path: Path, rows: list[tuple[str, str, dict[str, dict[int, dict[str, float]]]]],
+         title: str = "Weak scaling of one GRPO step, Qwen2.5-7B") -> bool:
     """Efficiency from 1 GPU (top) and from 8 (bottom) against N, one column per (hardware, workload); False when
     matplotlib is missing."""
     try:
@@ -406,8 +671,7 @@ def plot(path: Path, rows: list[tuple[str, str, dict[str, dict[int, dict[str, fl
     for column, (hardware, workload_name, results) in enumerate(rows):
         for row, base in enumerate((1, 8)):
             axis = axes[row][column]
-            for style, (config, per_size) in zip(styles, results.items()):
-                scaled = efficiency(per_size, base)
+            for style, (config, scaled) in zip(styles, efficiencies(results, base).items()):
                 axis.plot(list(scaled), list(scaled.values()), linestyle=style, marker="o", markersize=3, label=config)
             axis.set_xscale("log", base=2)
             axis.set_title(f"{hardware}, {workload_name}: from {base} GPU{'s' if base > 1 else ''}", fontsize=10)
@@ -416,7 +680,7 @@ def plot(path: Path, rows: list[tuple[str, str, dict[str, dict[int, dict[str, fl
     for row, base in enumerate((1, 8)):
         axes[row][0].set_ylabel(f"predicted T({base}) / T(N)")
     axes[0][-1].legend(fontsize=8)
-    figure.suptitle("Weak scaling of one GRPO step, Qwen2.5-7B: model prediction, not a measurement", fontsize=11)
+    figure.suptitle(f"{title}: model prediction, not a measurement", fontsize=11)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     return True
@@ -437,6 +701,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-overlap", action="store_true",
                         help="FSDP's communication adds to the compute instead of hiding under it")
+    parser.add_argument("--one-step-off", action="store_true",
+                        help="the split layout instead: today, all fixes and the split at staleness 0 and 1, K = "
+                             "--rollout-fraction x N and the best K; with --out, one_step_off.md and .png")
+    parser.add_argument("--rollout-fraction", type=float, default=0.25,
+                        help="with --one-step-off: K / N (default 0.25: verl's one-step-off recipe, 4 of 16 GPUs)")
     parser.add_argument("--out", type=Path, help="also write tables.md, weak_scaling.csv and efficiency.png here")
     parser.add_argument("--timings", type=Path, help="a run's timings.jsonl: predict its mean step time instead")
     parser.add_argument("--machines", type=int, default=1, help="with --timings: machines the ranks were spread over")
@@ -455,13 +724,29 @@ def main() -> None:
         workloads = [WORKLOADS[name] for name in args.workloads]
     workloads = [replace(workload, forward_passes=args.forward_passes) for workload in workloads]
     rows, sections = [], []
-    for path in args.constants or [CONSTANTS_DIR / "h100.json", CONSTANTS_DIR / "h200.json"]:
+    constants_paths = args.constants or [CONSTANTS_DIR / "h100.json", CONSTANTS_DIR / "h200.json"]
+    common = {"world_sizes": tuple(sorted(args.world_sizes)), "steps": args.steps, "seed": args.seed,
+              "overlap": not args.no_overlap}
+    for path in constants_paths:
         constants = load_constants(path)
         for workload in workloads:
-            results = simulate(constants, workload, world_sizes=tuple(sorted(args.world_sizes)), steps=args.steps,
-                               seed=args.seed, overlap=not args.no_overlap)
+            if args.one_step_off:
+                results = simulate_split(constants, workload, fraction=args.rollout_fraction, **common)
+                sections.append(split_report(path.stem.upper(), workload, results))
+            else:
+                results = simulate(constants, workload, **common)
+                sections.append(report(path.stem.upper(), workload, results))
             rows.append((path.stem.upper(), workload.name, results))
-            sections.append(report(path.stem.upper(), workload, results))
+    if args.one_step_off:
+        command = shlex.join(["python", "benchmarks/weak_scaling_sim.py", *sys.argv[1:]])
+        text = split_header(command, constants_paths, args.rollout_fraction) + "\n\n" + "\n\n".join(sections)
+        print(text)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "one_step_off.md").write_text(text + "\n")
+            if not plot(args.out / "one_step_off.png", rows, "Split layout against colocated, Qwen2.5-7B"):
+                print("matplotlib is not installed: no one_step_off.png")
+        return
     text = "\n\n".join(sections)
     print(text)
     if args.out:

@@ -137,3 +137,125 @@ def test_timings_command_reads_a_run_and_refuses_unsourced_constants(tmp_path: P
     constants.write_text(json.dumps({**json.loads(constants.read_text()), "cores": {"value": 2}}))
     with pytest.raises(ValueError, match="cores"):
         sim.load_constants(constants)
+
+
+# ---------------------------------------------------------------- split layout (--one-step-off)
+H100 = sim.load_constants(ROOT / "benchmarks" / "scaling_constants" / "h100.json")
+FREE_COMMUNICATION = {"nvlink_latency": 0.0, "ib_latency": 0.0, "collective_base_latency": 0.0,
+                      "nvlink_bandwidth": math.inf, "ib_bandwidth": math.inf}
+
+
+def test_engines_are_dealt_whole_prompts_and_empty_slots_cost_nothing() -> None:
+    """8 prompts of 2 completions on 3 engines: round robin, 3 + 3 + 2 prompts; every completion lands once. Engine 0
+    prefills its 3 prompts (not a rank's 2), and the engine dealt one prompt fewer generates as if its empty slots
+    were not there (no decode, no prefill)."""
+    workload = sim.Workload("deal", 1, 0.0, 100, prompts=2, generations=2)
+    lengths = np.arange(1.0, 17.0).reshape(1, 4, 4)  # prompt p holds completions 2p + 1 and 2p + 2
+    engines = sim.rollout_engine_lengths(lengths, workload, 3)
+    assert engines.shape == (1, 3, 6)
+    np.testing.assert_array_equal(engines[0, 2], [5, 6, 11, 12, 0, 0])  # prompts 2 and 5
+    assert sorted(engines[engines > 0]) == list(range(1, 17))
+    free_memory = {**H100, "hbm_bandwidth": math.inf}  # compute-bound: 2 P_m x (prompt + completion tokens) / F
+    compute_bound = 2 * sim.QWEN25_7B.matmul_parameters * (3 * 200 + 1 + 2 + 7 + 8 + 13 + 14) / H100["matmul_flops"]
+    assert sim.generation_s(engines, workload, sim.QWEN25_7B, free_memory)[0, 0] == pytest.approx(compute_bound)
+    np.testing.assert_allclose(sim.generation_s(engines[:, 2:], workload, sim.QWEN25_7B, H100),
+                               sim.generation_s(engines[:, 2:, :4], workload, sim.QWEN25_7B, H100), rtol=1e-12)
+
+
+def test_kv_peak_is_the_fullest_moment_of_the_decode() -> None:
+    """Lengths 40, 20, 5 after 10-token prompts: 1 x 50, 2 x 30 or 3 x 15 tokens cached; the peak is 60 tokens.
+    The 7 empty slots hold nothing (counted as live, 10 x 10 prompt tokens would be the peak)."""
+    workload = sim.Workload("kv", 1, 0.0, 100, prompts=1, generations=10, prompt_tokens=10)
+    per_token = sim.kv_bytes_per_token(sim.QWEN25_7B)
+    peak = sim.kv_peak_bytes(np.array([[[5.0, 40.0, 20.0, *[0.0] * 7]]]), workload, sim.QWEN25_7B)
+    assert peak[0, 0] == 60 * per_token
+
+
+def test_weight_broadcast_is_bucket_latencies_plus_one_pass_of_the_bytes() -> None:
+    """N = 16, K = 8: one trainer and one node of engines, 9 GPUs on 2 nodes: 7 NVLink hops and 1 InfiniBand hop
+    per bucket, the bytes once through InfiniBand; inside one node NVLink only."""
+    weight_bytes = 2 * sim.QWEN25_7B.parameters
+    buckets = math.ceil(weight_bytes / sim.SYNC_BUCKET_BYTES)
+    latency = H100["collective_base_latency"] + 7 * H100["nvlink_latency"] + H100["ib_latency"]
+    assert sim.weight_broadcast_s(sim.QWEN25_7B, H100, 16, 8) == pytest.approx(
+        buckets * latency + weight_bytes / H100["ib_bandwidth"])
+    inside = H100["collective_base_latency"] + 2 * H100["nvlink_latency"]
+    assert sim.weight_broadcast_s(sim.QWEN25_7B, H100, 8, 2) == pytest.approx(
+        buckets * inside + weight_bytes / H100["nvlink_bandwidth"])
+
+
+def test_synchronous_split_step_is_the_hand_computed_one() -> None:
+    """N = 4, K = 1, free communication, every completion 100 tokens: the engine decodes all 4 ranks' 8 prompts x 3
+    completions at once (N / K = 4 times a rank's), memory-bound; the 3 trainers train 24 rows of 110 tokens, 880
+    tokens each (N / (N - K) = 4 / 3 times a rank's 660), in micro-batches of the 2 x 110 budget; then the reload."""
+    workload = sim.Workload("tiny", 100, 0.0, 100, prompts=2, generations=3, prompt_tokens=10, micro_batch_rows=2)
+    free = {**H100, **FREE_COMMUNICATION}
+    phases = sim.split_phases(np.full((1, 4, 6), 100.0), workload, sim.QWEN25_7B, free, rollout_ranks=1)
+    matmul, hbm, flops = sim.QWEN25_7B.matmul_parameters, H100["hbm_bandwidth"], H100["matmul_flops"]
+    prefill = 2 * matmul * 8 * 10 / flops
+    decode = 100 * max(2 * matmul / hbm, 24 * 2 * matmul / flops)
+    kv_read = 24 * (10 * 100 + 100 * 101 / 2) * sim.kv_bytes_per_token(sim.QWEN25_7B) / hbm
+    training = 880 * 6 * matmul / (flops * H100["train_efficiency"])
+    reload = 2 * 2 * sim.QWEN25_7B.parameters / hbm
+    assert sim.split_step_s(phases, 0)[0] == pytest.approx(prefill + decode + kv_read + training + reload, rel=1e-12)
+
+
+def test_one_step_off_halves_the_step_when_generation_and_training_take_as_long() -> None:
+    """Free communication and HBM (no reload), constant lengths, the training rate set so that training takes what
+    generation does: S=1 overlaps the two and takes half of S=0."""
+    free = {**H100, **FREE_COMMUNICATION, "hbm_bandwidth": math.inf}
+    constant = replace(sim.WORKLOADS["short"], sigma=0.0)
+    lengths = sim.draw_lengths(constant, ranks=4, steps=3, rng=np.random.default_rng(0))
+    phases = sim.split_phases(lengths, constant, sim.QWEN25_7B, free, rollout_ranks=2)
+    rate = free["train_efficiency"] * phases["training"][0] / phases["generation"][0]
+    phases = sim.split_phases(lengths, constant, sim.QWEN25_7B, {**free, "train_efficiency": rate}, rollout_ranks=2)
+    np.testing.assert_allclose(phases["training"], phases["generation"], rtol=1e-12)
+    np.testing.assert_allclose(sim.split_step_s(phases, 1), sim.split_step_s(phases, 0) / 2, rtol=1e-12)
+
+
+def test_without_training_compute_one_step_off_is_generation_plus_what_never_overlaps() -> None:
+    """Training's compute free (FSDP's collectives stay, well under generation): S=1 is the generation, then the
+    samples' transfer and the weights' gather, broadcast (over InfiniBand at N = 16) and reload, all nonzero."""
+    workload = sim.WORKLOADS["short"]
+    lengths = sim.draw_lengths(workload, ranks=16, steps=4, rng=np.random.default_rng(0))
+    phases = sim.split_phases(lengths, workload, sim.QWEN25_7B, {**H100, "train_efficiency": math.inf}, 8)
+    assert (phases["training"] + phases["bookkeeping"]).max() < phases["generation"].min()
+    never_overlapped = [phases[phase].mean() for phase in ("transfer", "sync_gather", "sync_broadcast", "sync_reload")]
+    assert min(never_overlapped) > 0
+    assert sim.split_step_s(phases, 1).mean() == pytest.approx(phases["generation"].mean() + sum(never_overlapped))
+
+
+def test_one_step_off_is_never_slower_than_synchronous_at_the_same_k() -> None:
+    """On the mean over steps: max(generation, training) never exceeds their sum, whatever K."""
+    workload = sim.WORKLOADS["long_tail"]
+    for ranks in (2, 8, 32):
+        lengths = sim.draw_lengths(workload, ranks, steps=4, rng=np.random.default_rng([1, ranks]))
+        for rollout_ranks in sim.rollout_rank_choices(ranks, H100):
+            phases = sim.split_phases(lengths, workload, sim.QWEN25_7B, H100, rollout_ranks)
+            assert sim.split_step_s(phases, 1).mean() < sim.split_step_s(phases, 0).mean()
+
+
+def test_best_k_is_never_worse_than_the_fraction_and_n1_is_colocated() -> None:
+    """The search tries whole nodes from 2 nodes on (its K a multiple of 8), any K inside one; it never loses to
+    K = 0.25 N, and beats it somewhere; N = 1 is colocated all fixes' row."""
+    results = sim.simulate_split(H100, sim.WORKLOADS["short"], world_sizes=(1, 4, 8, 16, 32), steps=4)
+    assert sim.rollout_rank_choices(32, H100) == [8, 16, 24] and sim.rollout_rank_choices(8, H100) == list(range(1, 8))
+    improved = False
+    for staleness in sim.STALENESS:
+        fixed, best = results[sim.split_config(staleness, 0.25)], results[sim.split_config(staleness, None)]
+        assert [fixed[n]["rollout_ranks"] for n in fixed] == [0, 1, 2, 8, 8]  # 16: whole nodes, 8 nearest 4
+        assert all(best[n]["step"] <= fixed[n]["step"] for n in fixed)
+        improved |= any(best[n]["step"] < fixed[n]["step"] for n in fixed)
+        assert best[1]["step"] == results["all fixes"][1]["step"]
+        assert all(best[n]["rollout_ranks"] % 8 == 0 for n in (16, 32))
+    assert improved
+
+
+def test_one_step_off_command_writes_its_page(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "weak_scaling_sim.py"), "--one-step-off", "--constants",
+               str(ROOT / "benchmarks" / "scaling_constants" / "h100.json"), "--workloads", "short", "--world-sizes",
+               "1", "8", "16", "--steps", "2", "--out", str(tmp_path)]
+    subprocess.run(command, capture_output=True, text=True, check=True)
+    page = (tmp_path / "one_step_off.md").read_text()
+    assert "model prediction, not a measurement" in page and "--one-step-off" in page
+    assert "| split S=1, best K | 1.00 |" in page and "| matmul_flops | 7.9e+14 |" in page
