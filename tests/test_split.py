@@ -40,6 +40,20 @@ def test_a_bad_layout_stops_every_rank_before_any_engine(tmp_path):
     assert "Initializing" not in result.stdout + result.stderr and not list(tmp_path.iterdir())  # nothing started
 
 
+def test_the_transfers_between_the_sides(tmp_path):
+    """tests/layout_worker.py, 3 gloo ranks: two trainers (FSDP2 over themselves alone, each holding half the
+    parameters) stream the weights in bfloat16 through 64 KiB buckets; the rollout rank gets every name (the tied
+    LM head too, sent once) bitwise equal to its own unsharded copy, one broadcast per bucket, none near the whole
+    model; each trainer receives exactly its rows of the samples, and the evaluation."""
+    summary_path = tmp_path / "summary.json"
+    check(run_script("tests/layout_worker.py", [str(summary_path)], nproc=3, timeout=300))
+    summary = json.loads(summary_path.read_text())
+    assert summary["rollout"] == {"rank": 0, "world_size": 1}  # the rollout side's own world
+    assert summary["names_equal"] and summary["bitwise_equal"] and summary["dtypes"] == ["torch.bfloat16"]
+    assert sum(summary["bucket_bytes"]) == summary["model_bytes"]  # every tensor once: the tied one is an alias
+    assert len(summary["bucket_bytes"]) > 10 and max(summary["bucket_bytes"]) < summary["model_bytes"] / 10
+
+
 def comparable(run_dir):
     """metrics.jsonl without the split layout's own keys (its weight versions)."""
     return [{k: v for k, v in m.items() if not k.startswith("rollout/")} for m in read_metrics(run_dir)]
