@@ -11,6 +11,9 @@ come from the current policy, which is what separates this from DPO on a fixed d
 
 Each torchrun rank holds one vLLM engine for rollouts and one FSDP2 shard of the policy and of the reference; after
 every update the weights stream into the engine. Same arguments + same machine + same world size = same bits.
+With `--rollout-ranks K` the last K ranks only generate (common/layout.py); with `--max-staleness 1` the pairs come
+from the policy one update back. DPO's loss needs no correction for that: it never uses the sampler's probabilities
+(only the policy's and the reference's), so a stale pair is simply a slightly older preference.
 
     torchrun --nproc_per_node 2 dpo_online.py --seed 1
 """
