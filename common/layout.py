@@ -74,41 +74,62 @@ def evaluation_due(step: int, eval_every: int, total_steps: int) -> bool:
     return step == total_steps or bool(eval_every and step % eval_every == 0)
 
 
-def _exchange(payloads: list[bytes], group: dist.ProcessGroup) -> list[bytes]:
-    """An all-to-all of byte strings (payloads[r] goes to rank r of `group`), as CPU tensors: sizes, then bytes."""
-    sizes = torch.tensor([len(payload) for payload in payloads], dtype=torch.long)
-    incoming = torch.empty_like(sizes)
-    dist.all_to_all_single(incoming, sizes, group=group)
-    joined = b"".join(payloads)
-    send = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
-    received = torch.empty(int(incoming.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(received, send, incoming.tolist(), sizes.tolist(), group=group)
-    return [bytes(part.numpy()) for part in received.split(incoming.tolist())]
-
-
 def row_ranges(rows: int, parts: int) -> list[range]:
     """The step's global rows (G consecutive per prompt) cut into `parts` equal contiguous slices."""
     per_part = rows // parts
     return [range(part * per_part, (part + 1) * per_part) for part in range(parts)]
 
 
-def send_samples(layout: Layout, rows: range, samples: list[Sample], scores: list[float], version: int,
+def _overlap(first: range, second: range) -> range:
+    return range(max(first.start, second.start), max(min(first.stop, second.stop), max(first.start, second.start)))
+
+
+def _correspondents(layout: Layout, rows_per_step: int) -> dict[tuple[int, int], range]:
+    """Which rollout rank sends which global rows to which trainer: {(rollout index, trainer): rows}. Every rollout
+    rank also writes to trainer 0 (its timings for the log), so a trainer talks to the few rollout ranks that hold its
+    rows and never opens a connection to every rank (gloo connects a pair when it first exchanges data)."""
+    generated = row_ranges(rows_per_step, layout.rollout_ranks)
+    trained = row_ranges(rows_per_step, layout.trainer_ranks)
+    return {(source, trainer): _overlap(generated[source], trained[trainer])
+            for source in range(layout.rollout_ranks) for trainer in range(layout.trainer_ranks)
+            if trainer == 0 or _overlap(generated[source], trained[trainer])}
+
+
+def send_samples(layout: Layout, rows_per_step: int, samples: list[Sample], scores: list[float], version: int,
                  timings: dict[str, float]) -> None:
-    """A rollout rank's side of the sample transfer: each trainer gets the rows of `rows` it trains, their scores,
-    the weight version that sampled them and this rank's timings."""
-    payloads = [b""] * (layout.trainer_ranks + layout.rollout_ranks)
-    for trainer, wanted in enumerate(row_ranges(len(rows) * layout.rollout_ranks, layout.trainer_ranks)):
-        common = range(max(rows.start, wanted.start), min(rows.stop, wanted.stop))
-        local = slice(common.start - rows.start, common.stop - rows.start) if common else slice(0, 0)
-        payloads[trainer] = pickle.dumps({"samples": samples[local], "scores": scores[local], "version": version,
-                                          "timings": timings})
-    _exchange(payloads, layout.world)
+    """A rollout rank's side of the sample transfer, point to point over `world`: each of its trainers gets its rows
+    (and their scores), the weight version that sampled them and this rank's timings; a size, then the bytes."""
+    me = dist.get_rank()  # this side's rank: the rollout index
+    first = row_ranges(rows_per_step, layout.rollout_ranks)[me].start
+    requests = []
+    for (source, trainer), rows in _correspondents(layout, rows_per_step).items():
+        if source != me:
+            continue
+        local = slice(rows.start - first, rows.stop - first)
+        payload = pickle.dumps({"samples": samples[local], "scores": scores[local], "version": version,
+                                "timings": timings})
+        size = torch.tensor([len(payload)], dtype=torch.long)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        requests += [dist.isend(size, group=layout.world, group_dst=trainer, tag=0),
+                     dist.isend(data, group=layout.world, group_dst=trainer, tag=1)]
+    for request in requests:
+        request.wait()
 
 
-def receive_samples(layout: Layout) -> list[dict]:
-    """A trainer's side: one payload per rollout rank, in rank order (their rows are consecutive)."""
-    received = _exchange([b""] * (layout.trainer_ranks + layout.rollout_ranks), layout.world)
-    return [pickle.loads(payload) for payload in received[layout.trainer_ranks:]]
+def receive_samples(layout: Layout, rows_per_step: int) -> list[dict]:
+    """A trainer's side: one payload from each rollout rank that writes to it, in rollout-rank order (their rows
+    are consecutive)."""
+    me, payloads = dist.get_rank(), []
+    for source, trainer in _correspondents(layout, rows_per_step):
+        if trainer != me:
+            continue
+        sender = layout.trainer_ranks + source  # its rank in `world`
+        size = torch.empty(1, dtype=torch.long)
+        dist.recv(size, group=layout.world, group_src=sender, tag=0)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, group=layout.world, group_src=sender, tag=1)
+        payloads.append(pickle.loads(data.numpy().tobytes()))
+    return payloads
 
 
 def send_weights(layout: Layout, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -183,13 +204,14 @@ class RemoteRollouts:
 
     model_runner = "remote"
 
-    def __init__(self, layout: Layout, total_steps: int, in_flight: list[dict] | None) -> None:
-        self.layout, self.total_steps, self.in_flight = layout, total_steps, in_flight
+    def __init__(self, layout: Layout, rows_per_step: int, total_steps: int, in_flight: list[dict] | None) -> None:
+        self.layout, self.rows_per_step, self.total_steps, self.in_flight = layout, rows_per_step, total_steps, \
+            in_flight
         self.wait_s = 0.0  # this step's seconds waiting for samples
 
     def _receive(self) -> list[dict]:
         started = time.time()
-        payloads = receive_samples(self.layout)
+        payloads = receive_samples(self.layout, self.rows_per_step)
         self.wait_s += time.time() - started
         return payloads
 

@@ -45,7 +45,6 @@ from common.layout import (
     RemoteRollouts,
     evaluation_due,
     receive_weights,
-    row_ranges,
     send_evaluation,
     send_samples,
     split_world,
@@ -283,8 +282,8 @@ def serve_rollouts(run: LLMRun) -> None:
                    "longest_completion": float(max(len(s.completion_ids) for s in samples)),
                    "completions": float(len(samples))}
         idle = 0.0
-        rows = row_ranges(args.prompts_per_step * args.num_generations, run.world_size)[run.rank]
-        transfer(send_samples, layout, rows, samples, scores, version, timings)
+        transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples, scores, version,
+                 timings)
 
     def load_weights() -> None:
         transfer(lambda: engine.update_weights(receive_weights(layout, run.device)))
@@ -320,7 +319,8 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
         engine = start_engine(run)
     else:  # the rollout ranks' engines, behind the schedule; with S = 1 the checkpoint holds the batch in flight
         in_flight = run.resume_state.get("in_flight") if start_step else None
-        engine = RemoteRollouts(run.layout, args.total_steps, in_flight[run.rank] if in_flight else None)
+        engine = RemoteRollouts(run.layout, args.prompts_per_step * args.num_generations, args.total_steps,
+                                in_flight[run.rank] if in_flight else None)
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
     rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
     if start_step:  # after the engine, whose start would overwrite the restored RNG states

@@ -36,7 +36,7 @@ if not split.is_rollout:
     local = sum(p.to_local().numel() for p in policy.parameters())
     layout.send_weights(split, models.stream_weights(policy, torch.bfloat16))
     rows = 16 // 2  # each trainer's rows of a 16-row batch
-    payloads = layout.receive_samples(split)
+    payloads = layout.receive_samples(split, 16)
     got = [(s.completion_ids, s.logprobs, s.truncated) for p in payloads for s in p["samples"]]
     expected = [([r, r + 1], [-0.5 * r, -0.25], r % 2 == 0) for r in range(sides["rank"] * rows,
                                                                             (sides["rank"] + 1) * rows)]
@@ -59,7 +59,7 @@ else:
         received[name] = tensor.clone()
     dist.broadcast = broadcast
     samples = [Sample([r, r + 1], [-0.5 * r, -0.25], r % 2 == 0) for r in range(16)]
-    layout.send_samples(split, range(16), samples, [float(r) for r in range(16)], 7, {"generate_s": 1.5})
+    layout.send_samples(split, 16, samples, [float(r) for r in range(16)], 7, {"generate_s": 1.5})
     layout.send_evaluation(split, {"eval/accuracy": 0.25})
     summary = {"rollout": sides, "names_equal": sorted(received) == sorted(expected),
                "bitwise_equal": all(torch.equal(received[n], expected[n]) for n in expected if n in received),

@@ -11,6 +11,7 @@ import torch
 from conftest import ROOT, check, only_run_dir, read_metrics, run_script, script_env
 
 import grpo_llm
+from common import layout
 
 SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32",
          "--eval-every", "2"]
@@ -38,6 +39,16 @@ def test_a_bad_layout_stops_every_rank_before_any_engine(tmp_path):
     assert result.returncode != 0  # each rank runs the check; torchrun stops the other when the first exits
     assert "error: --rollout-ranks 2 leaves no trainer rank in a world of 2" in result.stderr
     assert "Initializing" not in result.stdout + result.stderr and not list(tmp_path.iterdir())  # nothing started
+
+
+def test_each_trainer_hears_only_from_the_rollout_ranks_holding_its_rows():
+    """48 rows, 2 rollout ranks (24 each) and 3 trainers (16 each): rollout 0 sends rows 0-15 to trainer 0 and
+    16-23 to trainer 1, rollout 1 rows 24-31 to trainer 1 and 32-47 to trainer 2, and its timings (no rows) to
+    trainer 0, which logs them."""
+    split = layout.Layout(rollout_ranks=2, trainer_ranks=3, max_staleness=0, is_rollout=False, world=None,
+                          bridge=None)
+    assert layout._correspondents(split, 48) == {(0, 0): range(0, 16), (0, 1): range(16, 24),
+                                                 (1, 0): range(24, 24), (1, 1): range(24, 32), (1, 2): range(32, 48)}
 
 
 def test_the_transfers_between_the_sides(tmp_path):
