@@ -3,7 +3,8 @@ N - K only train, FSDP2 over themselves alone; rank 0 (a trainer) writes the run
 of its own: the default process group is replaced by the side's group (`_update_default_pg`, the private call
 torch's own `shrink_group` makes), so FSDP2, checkpoints, statistics and vLLM's `external_launcher` groups work on
 either side unchanged. Three groups created before the swap join the sides: `world` (every rank; CPU tensors,
-gloo) carries samples and evaluations, `bridge` (trainer rank 0 + the rollout ranks; NCCL on GPUs) the weights.
+gloo) carries samples (point to point: each rollout rank to the trainers holding its rows) and evaluations,
+`bridge` (trainer rank 0 + the rollout ranks; NCCL on GPUs) the weights.
 
 The schedule is fixed, so the bits do not depend on timing. Batch t is sampled with the weights after update
 t - 1 - S (`--max-staleness S`, 0 or 1; version 0 = the starting model), and every transfer happens at a fixed point
