@@ -135,10 +135,10 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
     for ranks, what in ((trainers, "trainer ranks" if args.rollout_ranks else "world size"),
                         (generators, "rollout ranks")):
         if args.prompts_per_step % ranks:
-            fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {what} ({ranks})")
+            fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {what} {ranks}")
     if generators % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the {'rollout ranks' if args.rollout_ranks else 'world size'} "
-             f"({generators})")
+             f"{generators}")
     per_node, tp = local_world_size(), args.vllm_tp  # a group: tp consecutive ranks from the first generator on
     if engine_kind(args.rollout_engine) == "vllm" and any(first // per_node != (first + tp - 1) // per_node
                                                           for first in range(world_size - generators, world_size, tp)):

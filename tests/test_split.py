@@ -22,9 +22,9 @@ SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-si
     ({"rollout_ranks": -1}, 2, "--rollout-ranks must be non-negative"),
     ({"max_staleness": 1}, 2, "--max-staleness 1 needs --rollout-ranks"),
     ({"rollout_ranks": 1, "max_staleness": 2}, 2, "--max-staleness 0 or 1"),
-    ({"rollout_ranks": 3, "vllm_tp": 2, "prompts_per_step": 3}, 4, "--vllm-tp 2 must divide the rollout ranks (3)"),
-    ({"rollout_ranks": 3, "prompts_per_step": 64}, 4, "must be divisible by the rollout ranks (3)"),
-    ({"rollout_ranks": 1, "prompts_per_step": 64}, 4, "must be divisible by the trainer ranks (3)"),
+    ({"rollout_ranks": 3, "vllm_tp": 2, "prompts_per_step": 3}, 4, "--vllm-tp 2 must divide the rollout ranks 3"),
+    ({"rollout_ranks": 3, "prompts_per_step": 64}, 4, "must be divisible by the rollout ranks 3"),
+    ({"rollout_ranks": 1, "prompts_per_step": 64}, 4, "must be divisible by the trainer ranks 3"),
     ({"rollout_ranks": 1, "seq_mask_cap": 0.5}, 2, "--seq-mask-cap must be 0 (off) or above 1"),
 ])
 def test_bad_layouts_are_refused(changes: dict, world_size: int, message: str, capsys):
