@@ -15,7 +15,7 @@ import numpy as np
 
 
 def load(spec: str) -> tuple[str, dict]:
-    label, _, folder = spec.partition("=")
+    label, _, folder = spec.rpartition("=")  # labels may hold "=" (S=1), folders do not
     return label, json.loads((Path(folder) / "results.json").read_text())
 
 

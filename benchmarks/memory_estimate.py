@@ -122,7 +122,7 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
     from torch.distributed.fsdp import FSDPModule
 
     from dpo_online import dpo_loss, sequence_logprobs
-    from grpo_llm import aggregate_loss, grpo_token_loss
+    from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
     from ppo_llm import policy_loss, predicted_values, value_loss
 
     policy, reference, value_model = models["policy"], models.get("reference"), models.get("value")
@@ -144,8 +144,9 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
         on_forward(policy)
         logprobs = token_logprobs(policy, batch, 1.0)
         if script == "grpo":
-            per_token = grpo_token_loss(logprobs, logprobs.detach(), batch.rollout_logprobs, None,
-                                        torch.ones(rows, 1), 0.2, 0.28, 2.0, 0.0)
+            is_weight = truncated_is_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
+            per_token = grpo_token_loss(logprobs, logprobs.detach(), is_weight, None, torch.ones(rows, 1), 0.2,
+                                        0.28, 0.0)
             loss = aggregate_loss(per_token, batch.mask, "dapo", rows, int(num_tokens), batch.mask.shape[1])
         elif script == "dpo":
             loss = dpo_loss(sequence_logprobs(logprobs, batch.mask, "sigmoid"),
@@ -154,8 +155,9 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
         else:
             on_forward(value_model)
             values = predicted_values(value_model, batch)
-            loss = (policy_loss(logprobs, logprobs.detach(), batch.rollout_logprobs, torch.ones_like(logprobs),
-                                batch.mask, 0.2, 2.0, num_tokens)
+            is_weight = truncated_is_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
+            loss = (policy_loss(logprobs, logprobs.detach(), is_weight, torch.ones_like(logprobs), batch.mask, 0.2,
+                                num_tokens)
                     + 0.1 * value_loss(values, values.detach(), torch.zeros_like(values), batch.mask, 0.5, num_tokens))
         loss.backward()
     for model, optimizer in optimizers:  # common/models.py's optimizer_step, without reading the norm's value
