@@ -105,7 +105,7 @@ def check_args(args: Args, world_size: int) -> None:
     check_llm_args(args, world_size)
     if args.ppo_epochs <= 0 or args.num_minibatches <= 0:
         fail(f"--ppo-epochs and --num-minibatches must be positive, got {args.ppo_epochs} and {args.num_minibatches}")
-    per_rank = args.prompts_per_step // (world_size - args.rollout_ranks or 1) * args.num_generations
+    per_rank = args.prompts_per_step // (world_size - args.rollout_ranks) * args.num_generations
     if per_rank % args.num_minibatches:
         fail(f"each rank's {per_rank} completions per step (--prompts-per-step / trainer ranks x --num-generations) "
              f"must be divisible by --num-minibatches {args.num_minibatches}")

@@ -388,18 +388,24 @@ def evaluation(engine: object, run: LLMRun) -> dict[str, float]:
     return evaluate(engine, run, run.args.num_eval_prompts, run.args.max_completion_length)
 
 
-def sample_prompts(engine: object, run: LLMRun, step: int
-                   ) -> tuple[list[list[int]], list[Example], list[Sample], float]:
-    """This rank's prompts of `step` (rows: G per prompt), each sampled with its own seed from its global
-    coordinates (step, prompt, sample), so no sample depends on which rank draws it or beside whom; and the seconds
-    the engine took."""
-    args, started = run.args, time.time()
+def rank_rows(run: LLMRun, step: int) -> tuple[list[list[int]], list[Example], list[int]]:
+    """This rank's rows of `step` (G per prompt): their prompt ids, task examples and sampling seeds, each seed
+    from the sample's global coordinates (step, prompt, sample), so no sample depends on which rank draws it."""
+    args = run.args
     indices, first = prompts_for_rank(step, args.seed, len(run.train_ids), args.prompts_per_step, run.rank,
                                       run.world_size)
     group = range(args.num_generations)
     prompts = [run.train_ids[i] for i in indices for _ in group]
     examples = [run.train[i] for i in indices for _ in group]
     seeds = [sample_seed(args.seed, step, first + p, i) for p in range(len(indices)) for i in group]
+    return prompts, examples, seeds
+
+
+def sample_prompts(engine: object, run: LLMRun, step: int
+                   ) -> tuple[list[list[int]], list[Example], list[Sample], float]:
+    """This rank's rows of `step` sampled by `engine`, and the seconds it took."""
+    args, started = run.args, time.time()
+    prompts, examples, seeds = rank_rows(run, step)
     samples = engine.generate(prompts, seeds, args.max_completion_length, args.temperature, run.eos_ids)
     return prompts, examples, samples, time.time() - started
 
@@ -408,13 +414,10 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
     """This rank's rows of `step` (`sample_prompts`), then the engine sleeps (on CUDA this frees its memory for
     training) and the task scores every completion. Split layout: the same rows, sampled and scored by the rollout
     ranks."""
-    args, started = run.args, time.time()
+    started = time.time()
     version, rollout_timings = step - 1, []
     if isinstance(engine, RemoteRollouts):
-        indices, _ = prompts_for_rank(step, args.seed, len(run.train_ids), args.prompts_per_step, run.rank,
-                                      run.world_size)
-        prompts = [run.train_ids[i] for i in indices for _ in range(args.num_generations)]
-        examples = [run.train[i] for i in indices for _ in range(args.num_generations)]
+        prompts, examples, _ = rank_rows(run, step)
         payloads = engine.batch(step)
         samples = [sample for payload in payloads for sample in payload["samples"]]
         received_scores = [score for payload in payloads for score in payload["scores"]]
