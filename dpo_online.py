@@ -154,7 +154,7 @@ if __name__ == "__main__":
         counts = reduce_stats({
             "pairs": len(by_prompt), "preferred": preferred.sum(), "tokens": sum(map(len, rollout.completions)),
             "truncated": sum(s.truncated for s in rollout.samples), "score": scores.sum(),
-            "correct": (rollout.task_scores >= 1).float().sum(), "chosen_score": by_prompt.max(dim=1).values.sum(),
+            "correct": rollout.correct.sum(), "chosen_score": by_prompt.max(dim=1).values.sum(),
             "rejected_score": by_prompt.min(dim=1).values.sum(),
             "chosen_tokens": float(sum(len(rollout.completions[r]) for r in chosen_rows)),
             "rejected_tokens": float(sum(len(rollout.completions[r]) for r in rejected_rows))})

@@ -228,7 +228,7 @@ if __name__ == "__main__":
         grouped = torch.cat(all_scores).view(args.prompts_per_step, args.num_generations)
         advantages = group_advantages(grouped, args.scale_advantages).flatten().view(world_size, -1)[rank].to(device)
         counts = reduce_stats({"tokens": sum(map(len, rollout.completions)), "sequences": len(rollout.samples),
-                               "truncated": sum(s.truncated for s in rollout.samples)})
+                               "truncated": sum(s.truncated for s in rollout.samples), "correct": sum(rollout.correct)})
         num_tokens, num_sequences = int(counts["tokens"]), int(counts["sequences"])
 
         # --- update: mu optimizer steps on this batch, gradient accumulation over micro-batches ---
@@ -283,7 +283,7 @@ if __name__ == "__main__":
         metrics = {
             "train/score": flat_scores.mean().item(),
             "train/score_std": flat_scores.std().item(),
-            "train/accuracy": (flat_scores >= 1).float().mean().item(),
+            "train/accuracy": counts["correct"] / num_sequences,
             "train/completion_length": num_tokens / num_sequences,
             "train/truncated_fraction": counts["truncated"] / num_sequences,
             "train/grad_norm": grad_norm,

@@ -353,7 +353,7 @@ if __name__ == "__main__":
         # --- one collective: whitening moments, explained variance, every minibatch's global token count ---
         counts = reduce_stats({
             "tokens": mask.sum(), "sequences": num_samples, "truncated": truncated.sum(), "score": scores.sum(),
-            "correct": (rollout.task_scores >= 1).sum(), "kl": kl.sum(), "entropy": (entropy * mask).sum(),
+            "correct": rollout.correct.sum(), "kl": kl.sum(), "entropy": (entropy * mask).sum(),
             "advantage": advantages.sum(), "advantage_sq": (advantages ** 2).sum(), "return": returns.sum(),
             "return_sq": (returns ** 2).sum(),
             **{f"minibatch_tokens/{u}": lengths[rows].sum() for u, rows in enumerate(minibatches)}})

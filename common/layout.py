@@ -96,10 +96,11 @@ def _correspondents(layout: Layout, rows_per_step: int) -> dict[tuple[int, int],
             if trainer == 0 or _overlap(generated[source], trained[trainer])}
 
 
-def send_samples(layout: Layout, rows_per_step: int, samples: list[Sample], scores: list[float], version: int,
-                 timings: dict[str, float]) -> None:
+def send_samples(layout: Layout, rows_per_step: int, samples: list[Sample], scores: list[float],
+                 correct: list[float], version: int, timings: dict[str, float]) -> None:
     """A rollout rank's side of the sample transfer, point to point over `world`: each of its trainers gets its rows
-    (and their scores), the weight version that sampled them and this rank's timings; a size, then the bytes."""
+    (their scores and correctness), the weight version that sampled them and this rank's timings; a size, then the
+    bytes."""
     me = dist.get_rank()  # this side's rank: the rollout index
     first = row_ranges(rows_per_step, layout.rollout_ranks)[me].start
     requests = []
@@ -107,8 +108,8 @@ def send_samples(layout: Layout, rows_per_step: int, samples: list[Sample], scor
         if source != me:
             continue
         local = slice(rows.start - first, rows.stop - first)
-        payload = pickle.dumps({"samples": samples[local], "scores": scores[local], "version": version,
-                                "timings": timings})
+        payload = pickle.dumps({"samples": samples[local], "scores": scores[local], "correct": correct[local],
+                                "version": version, "timings": timings})
         size = torch.tensor([len(payload)], dtype=torch.long)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         requests += [dist.isend(size, group=layout.world, group_dst=trainer, tag=0),

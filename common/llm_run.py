@@ -15,10 +15,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.distributed as dist
+import tyro
 
 from common.batching import TokenBatch, balanced_partition, contiguous_pieces, make_batch
 from common.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
@@ -52,7 +53,7 @@ from common.layout import (
 from common.models import fsdp_shard_size, stream_weights
 from common.rollout import FakeEngine, Sample, engine_kind, make_engine, sample_seed
 from common.scoring import RewardModel, decode_completion, evaluate, task_scores
-from common.tasks import Example, Task, make_task
+from common.tasks import TASK_HELP, Example, Task, TaskError, check_task_fits, make_task
 from common.tracking import RunTracker, get_logger
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-adder")
@@ -66,7 +67,7 @@ class LLMArgs:
     seed: int = 1  # prompt order, per-sample sampling seeds, torch/numpy/python RNGs
     deterministic: bool = True  # deterministic kernels, batch-invariant vLLM on CUDA, TF32 off
     model_name_or_path: str = EMBEDDED_MODEL  # the policy: any HF causal LM; default: the embedded tiny adder
-    task: str = "addition"  # `addition` (embedded), `gsm8k` (openai/gsm8k), or a dataset in GSM8K's format
+    task: Annotated[str, tyro.conf.arg(help=TASK_HELP)] = "addition"
     dtype: Literal["float32", "bfloat16"] = "float32"  # of rollouts and compute; master weights stay float32
     # --- the loop: steps, prompts, samples ---
     total_steps: int = 400  # steps, each: rollouts, then the update
@@ -103,6 +104,8 @@ class LLMArgs:
     # --- evaluation, logs, checkpoints ---
     eval_every: int = 20  # held-out greedy evaluation every this many steps (and before the first and after the last)
     num_eval_prompts: int = 500  # held-out prompts per evaluation (0 = the whole test split)
+    eval_samples: int = 0  # k > 0: also k sampled completions per held-out prompt: eval/mean@k and eval/pass@j
+    eval_temperature: float = 1.0  # the sampling temperature of --eval-samples (papers: often 0.6 to 1.0)
     track: bool = False  # mirror the TensorBoard logs to Weights & Biases
     wandb_project_name: str = "rl-repro"  # the Weights & Biases project, with --track
     run_root: str = "runs"  # where run directories are created
@@ -113,8 +116,9 @@ class LLMArgs:
 
 # Arguments a resumed run may change: where and how it reports, not what it computes.
 MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "eval_every",
-                        "num_eval_prompts", "save_every", "keep_last", "vllm_kv_cache_memory_bytes",
-                        "vllm_gpu_memory_utilization")  # not the engine: vLLM and transformers draw other samples
+                        "num_eval_prompts", "eval_samples", "eval_temperature", "save_every", "keep_last",
+                        "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization")  # not the engine: vLLM and
+# transformers draw other samples
 
 
 def check_llm_args(args: LLMArgs, world_size: int) -> None:
@@ -151,8 +155,12 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
     if shard_size < 1 or trainers % shard_size:
         fail(f"--fsdp-shard-size {args.fsdp_shard_size} (0 = ranks per node) gives shard size {shard_size}, which "
              f"must divide the {'trainer ranks' if args.rollout_ranks else 'world size'} {trainers}")
-    if min(args.eval_every, args.save_every, args.keep_last, args.num_eval_prompts, args.warmup_steps) < 0:
-        fail("--eval-every, --save-every, --keep-last, --num-eval-prompts and --warmup-steps must be non-negative")
+    if min(args.eval_every, args.save_every, args.keep_last, args.num_eval_prompts, args.warmup_steps,
+           args.eval_samples) < 0:
+        fail("--eval-every, --save-every, --keep-last, --num-eval-prompts, --eval-samples and --warmup-steps must be "
+             "non-negative")
+    if args.eval_samples and not args.eval_temperature > 0:
+        fail(f"--eval-temperature must be positive with --eval-samples, got {args.eval_temperature}")
     if args.track and importlib.util.find_spec("wandb") is None:
         fail("--track needs Weights & Biases: pip install wandb")
     path = args.model_name_or_path
@@ -216,16 +224,28 @@ def prepare_run(args: LLMArgs) -> LLMRun:
         problem = f"cannot load model {args.model_name_or_path!r}: {error}"
     try:
         task = make_task(args.task)
+        if not task.train or not task.test:
+            raise TaskError(f"it has {len(task.train)} training and {len(task.test)} test examples; it needs both")
+    except TaskError as error:
+        problem = problem or f"task {args.task!r}: {error}"
     except Exception as error:  # datasets raises many types for a missing dataset
-        problem = problem or f"cannot load task {args.task!r}: {error}"
+        problem = problem or f"cannot load task {args.task!r}: {error!r}"
     if not all_ranks_ok(problem is None):
         fail(problem or "another rank cannot load the model or the task; its message says why")
+    templated = task.chat_template and bool(getattr(tokenizer, "chat_template", None))
 
     def encode(examples: list[Example]) -> list[list[int]]:
         texts = [task.format_prompt(tokenizer, example) for example in examples]
-        return tokenizer(texts, add_special_tokens=not getattr(tokenizer, "chat_template", None)).input_ids
+        return tokenizer(texts, add_special_tokens=not templated).input_ids
 
     train_ids = encode(task.train)
+    probe = task.train[:32] + task.test[:32]  # the same prompts on every rank: the same decision
+    try:
+        check_task_fits(task, args.task, tokenizer, args.model_name_or_path,
+                        [task.format_prompt(tokenizer, e) for e in probe], train_ids[:32] + encode(task.test[:32]),
+                        args.max_completion_length)
+    except TaskError as error:
+        fail(str(error))
     keep = [i for i, ids in enumerate(train_ids) if len(ids) <= args.max_prompt_length]
     if len(keep) < args.prompts_per_step:
         fail(f"only {len(keep)} training prompts fit --max-prompt-length {args.max_prompt_length}")
@@ -276,13 +296,13 @@ def serve_rollouts(run: LLMRun) -> None:
         nonlocal idle
         prompts, examples, samples, seconds = sample_prompts(engine, run, step)
         scored = time.time()
-        scores = task_scores(run.task.reward, examples, [decode_completion(run.tokenizer, s.completion_ids,
-                                                                           run.eos_ids) for s in samples])
+        texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
+        scores, correct = task_scores(run.task.reward, examples, texts), task_scores(run.task.correct, examples, texts)
         timings = {"generate_s": seconds, "score_s": time.time() - scored, "rollout_wait_s": idle,
                    "longest_completion": float(max(len(s.completion_ids) for s in samples)),
                    "completions": float(len(samples))}
         idle = 0.0
-        transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples, scores, version,
+        transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples, scores, correct, version,
                  timings)
 
     def load_weights() -> None:
@@ -371,7 +391,8 @@ class Rollout:
     samples: list[Sample]  # each row's completion ids, the engine's logprobs of them, whether it hit the length limit
     completions: list[list[int]]  # each row's completion ids (as in samples)
     texts: list[str]  # each completion decoded, as the judge reads it
-    task_scores: torch.Tensor  # [rows] the task's verifiable reward of each completion (1.0 = correct)
+    task_scores: torch.Tensor  # [rows] the task's verifiable reward of each completion
+    correct: torch.Tensor  # [rows] 1.0 where the task counts the completion correct, else 0.0
     lengths: torch.Tensor  # [world size, rows, 2] every rank's (prompt, completion) lengths, gathered once
     started: float  # wall clock at the start of the step
     seconds: float  # generation time, this rank (split layout: the slowest rollout rank)
@@ -421,6 +442,7 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
         payloads = engine.batch(step)
         samples = [sample for payload in payloads for sample in payload["samples"]]
         received_scores = [score for payload in payloads for score in payload["scores"]]
+        received_correct = [right for payload in payloads for right in payload["correct"]]
         version, rollout_timings = payloads[0]["version"], [payload["timings"] for payload in payloads]
         seconds = max(timings["generate_s"] for timings in rollout_timings)
     else:
@@ -434,10 +456,11 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
     gathered = time.time()
     texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
     scores = torch.tensor(received_scores if rollout_timings else task_scores(run.task.reward, examples, texts))
+    correct = torch.tensor(received_correct if rollout_timings else task_scores(run.task.correct, examples, texts))
     timings = {"generate_s": generated - started, "wait_s": gathered - generated, "score_s": time.time() - gathered,
                "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
-    return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, lengths, started,
-                   seconds, timings, step, version, rollout_timings)
+    return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, correct, lengths,
+                   started, seconds, timings, step, version, rollout_timings)
 
 
 def judge(reward_model: RewardModel | None, rollout: Rollout) -> torch.Tensor:
@@ -525,7 +548,7 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     count = min(max(needed(part) for part in parts), min(len(part) for part in parts))
     unit_pieces = contiguous_pieces([weights[u] for u in mine], count) if mine else []
     pieces = [[i * unit + j for i in piece for j in range(unit)] for piece in unit_pieces]
-    balanced = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0),
+    balanced = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0), torch.empty(0),
                        rollout.lengths, rollout.started, rollout.seconds, rollout.timings, rollout.step,
                        rollout.version, rollout.rollout_timings)
     return balanced, torch.tensor(values, dtype=per_row.dtype).reshape(len(samples), -1), pieces

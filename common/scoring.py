@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ import torch
 from common.batching import _pack
 from common.distributed import all_ranks_ok, fail, reduce_stats
 from common.models import load_model
+from common.rollout import sample_seed
 from common.tasks import Example
 
 if TYPE_CHECKING:
@@ -22,32 +24,60 @@ def decode_completion(tokenizer: object, ids: list[int], eos_ids: list[int]) -> 
     return tokenizer.decode(ids[:-1] if ids and ids[-1] in eos_ids else ids, skip_special_tokens=True)
 
 
-def task_scores(reward: object, examples: list[Example], texts: list[str]) -> list[float]:
-    """`reward(text, example)` of every completion. A reward that raises on any rank stops every rank with a message
-    naming the prompt and completion, instead of leaving the others waiting in the next collective."""
+def task_scores(score: object, examples: list[Example], texts: list[str]) -> list[float]:
+    """`score(text, example)` of every completion (the task's `reward`, or its `correct`). One that raises on any rank
+    stops every rank with a message naming the prompt and completion, instead of leaving the others waiting in the
+    next collective."""
     scores, error = [], None
     for example, text in zip(examples, texts):
         try:
-            scores.append(float(reward(text, example)))
+            scores.append(float(score(text, example)))
         except Exception as exception:
-            error = f"reward function failed on prompt {example.prompt!r} with completion {text!r}: {exception!r}"
+            error = (f"the task's {getattr(score, '__name__', 'reward')} function failed on prompt "
+                     f"{example.prompt!r} with completion {text!r}: {exception!r}")
             break
     if not all_ranks_ok(error is None):
-        fail(error or "a reward function failed on another rank")
+        fail(error or "a task's reward or correct function failed on another rank")
     return scores
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k from n samples of which c are correct (Chen et al. 2021, arXiv:2107.03374, eq. 1):
+    1 - C(n - c, k) / C(n, k), the chance that k of the n drawn without replacement hold a correct one."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int) -> dict[str, float]:
-    """Held-out greedy accuracy (and GSM8K's flexible accuracy), the test prompts split round-robin over ranks."""
-    task, test_ids = run.task, run.test_ids
+    """Held-out evaluation, the test prompts split round-robin over ranks. Greedy: eval/accuracy (pass@1, the share
+    the task counts correct) and the task's own metrics (eval/<name>, e.g. a lenient accuracy). With --eval-samples
+    k, also k completions per prompt sampled at --eval-temperature (seeds from the prompt's and the sample's index
+    alone, the same at every evaluation): eval/mean@k (the mean share correct, as papers report AIME's avg@32) and
+    eval/pass@j for j = 2, 4, ... up to k and k itself (the unbiased estimator)."""
+    task, test_ids, args = run.task, run.test_ids, run.args
     count = len(test_ids) if num_eval_prompts == 0 else min(num_eval_prompts, len(test_ids))
     indices = list(range(run.rank, count, run.world_size))
     samples = engine.generate([test_ids[i] for i in indices], [0] * len(indices), max_tokens, 0.0, run.eos_ids)
     texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
     examples = [run.test[i] for i in indices]
-    sums = {"accuracy": sum(task_scores(task.reward, examples, texts))}
-    if hasattr(task, "flexible_reward"):
-        sums["accuracy_flexible"] = sum(task_scores(task.flexible_reward, examples, texts))
+    sums = {"accuracy": sum(task_scores(task.correct, examples, texts))}
+    names = sorted(task.eval_metrics("", run.test[0]))  # the same names on every rank, even one without prompts
+    for name in names:
+        sums[name] = 0.0
+    for example, text in zip(examples, texts):
+        values = task.eval_metrics(text, example)
+        for name in names:
+            sums[name] += float(values[name])
+    k = args.eval_samples
+    if k:
+        prompts = [test_ids[i] for i in indices for _ in range(k)]
+        seeds = [sample_seed(args.seed, -1, i, j) for i in indices for j in range(k)]  # step -1: evaluation
+        sampled = engine.generate(prompts, seeds, max_tokens, args.eval_temperature, run.eos_ids)
+        texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in sampled]
+        right = task_scores(task.correct, [run.test[i] for i in indices for _ in range(k)], texts)
+        correct = [int(sum(right[p * k:(p + 1) * k])) for p in range(len(indices))]
+        sums[f"mean@{k}"] = sum(correct) / k
+        for j in sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k} - {1}):
+            sums[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct)
     return {f"eval/{name}": value / count for name, value in reduce_stats(sums).items()}
 
 

@@ -33,7 +33,7 @@ def skewed_rollout(rank: int, world_size: int) -> tuple[Rollout, torch.Tensor]:
         ids = [draw.randrange(3, 15) for _ in range(draw.randint(longest // 2, longest))]
         samples.append(Sample(ids, [-draw.random() for _ in ids], truncated=draw.random() < 0.3))
     mine = torch.tensor([[len(p), len(s.completion_ids)] for p, s in zip(prompts, samples)])
-    rollout = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0),
+    rollout = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0), torch.empty(0),
                       all_gather_rows(mine), time.time(), 0.0, {}, 1, 0, [])
     advantages = torch.tensor([draw.gauss(0, 1) for _ in prompts])
     return rollout, advantages

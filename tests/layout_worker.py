@@ -41,6 +41,9 @@ if not split.is_rollout:
     expected = [([r, r + 1], [-0.5 * r, -0.25], r % 2 == 0) for r in range(sides["rank"] * rows,
                                                                             (sides["rank"] + 1) * rows)]
     assert got == expected and payloads[0]["version"] == 7 and payloads[0]["timings"] == {"generate_s": 1.5}
+    mine = range(sides["rank"] * rows, (sides["rank"] + 1) * rows)  # each row's score and correctness travel with it
+    assert [p["scores"] + p["correct"] for p in payloads] == [[float(r) for r in mine] + [float(r % 3 == 0)
+                                                                                          for r in mine]]
     assert layout.receive_evaluation(split) == {"eval/accuracy": 0.25}
     print(json.dumps({"trainer": sides, "local_parameters": local}), flush=True)
 else:
@@ -59,7 +62,8 @@ else:
         received[name] = tensor.clone()
     dist.broadcast = broadcast
     samples = [Sample([r, r + 1], [-0.5 * r, -0.25], r % 2 == 0) for r in range(16)]
-    layout.send_samples(split, 16, samples, [float(r) for r in range(16)], 7, {"generate_s": 1.5})
+    layout.send_samples(split, 16, samples, [float(r) for r in range(16)], [float(r % 3 == 0) for r in range(16)], 7,
+                        {"generate_s": 1.5})
     layout.send_evaluation(split, {"eval/accuracy": 0.25})
     summary = {"rollout": sides, "names_equal": sorted(received) == sorted(expected),
                "bitwise_equal": all(torch.equal(received[n], expected[n]) for n in expected if n in received),

@@ -94,10 +94,17 @@ def test_gsm8k_task_from_a_local_copy(tmp_path: Path):
             {"question": "A box holds 1,200 pens. How many in 2 boxes?", "answer": "2 * 1200 = 2400\n#### 2,400"}]
     for split in ("train", "test"):
         (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    task = make_task(str(tmp_path))
+    task = make_task(f"gsm8k:{tmp_path}")
     assert [e.answer for e in task.test] == ["7", "2400"]
     assert task.train[0].prompt.startswith("Tom has 3 apples") and task.train[0].prompt.endswith('after "####".')
     assert task.reward("so 2,400 pens\n#### 2,400", task.test[1]) == 1.0
+    boxed = r"so it is \boxed{2400}"  # lenient (math-verify) finds it; strict (`#### N`) does not
+    assert task.eval_metrics(boxed, task.test[1]) == {"accuracy_flexible": 1.0, "accuracy_lenient": 1.0}
+    assert not task.correct(boxed, task.test[1]) and task.eval_metrics("2400 or 2500", task.test[1]) == {
+        "accuracy_flexible": 0.0, "accuracy_lenient": 0.0}
+    assert task.eval_metrics("so it is \\boxed{2400}", task.test[1]) == {"accuracy_flexible": 1.0,
+                                                                          "accuracy_lenient": 1.0}
+    assert not task.correct("so it is \\boxed{2400}", task.test[1])  # strict: only `#### N` counts
 
 
 def test_hf_engine_samples_do_not_depend_on_batch_mates():

@@ -94,15 +94,16 @@ def test_smollm2_grpo_torchrun_vllm(smollm2: Path, tmp_path: Path):
     task_dir = write_gsm8k_copy(tmp_path / "gsm8k_copy")
     # The script formats prompts with the task's `format_prompt`: with this tokenizer, SmolLM2's chat template.
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    example = make_task(str(task_dir)).train[0]
-    formatted = make_task(str(task_dir)).format_prompt(tokenizer, example)
+    task = make_task(f"gsm8k:{task_dir}")
+    example = task.train[0]
+    formatted = task.format_prompt(tokenizer, example)
     assert formatted == tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}], tokenize=False,
                                                       add_generation_prompt=True)
     assert formatted.endswith(f"{example.prompt}<|im_end|>\n<|im_start|>assistant\n")
 
     run_root = tmp_path / "runs"
-    result = run_script("grpo_llm.py", [*SMOLLM2_GRPO, "--model-name-or-path", str(smollm2), "--task", str(task_dir),
-                                        "--run-root", str(run_root)], nproc=2, timeout=900)
+    result = run_script("grpo_llm.py", [*SMOLLM2_GRPO, "--model-name-or-path", str(smollm2), "--task",
+                                        f"gsm8k:{task_dir}", "--run-root", str(run_root)], nproc=2, timeout=900)
     check(result)
     run_dir = only_run_dir(run_root)
     manifest = json.loads((run_dir / "manifest.json").read_text())

@@ -1,0 +1,219 @@
+"""Countdown: reach a target from given numbers with + - * / and parentheses, each number at most once. The task of
+TinyZero (Pan et al. 2025, github.com/Jiayi-Pan/TinyZero) and nano-aha-moment (Kazemnejad et al. 2025). The model's
+expression is parsed by a small grammar and evaluated in exact rational arithmetic (`fractions.Fraction`): model text
+is never given to `eval`."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from collections.abc import Iterator
+from fractions import Fraction
+
+from common.tasks.base import Example, Row, Task, TaskError, load_split
+
+MAX_EXPRESSION_CHARS = 256  # longer answers are malformed: the given numbers never need more
+TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
+
+
+def parse_expression(text: str) -> tuple[Fraction, list[int]] | None:
+    """The value of an arithmetic expression of non-negative integers, + - * / and parentheses (the usual
+    precedence, left to right; no unary signs, no decimals), and the integers it uses. None when it is not such an
+    expression or divides by zero."""
+    if len(text) > MAX_EXPRESSION_CHARS:
+        return None
+    tokens, position, text = [], 0, text.rstrip()
+    while position < len(text):
+        match = TOKEN.match(text, position)
+        if not match:
+            return None
+        tokens.append(int(match.group(1)) if match.group(1) else match.group(2))
+        position = match.end()
+    numbers: list[int] = []
+    index = 0
+
+    def peek() -> object:
+        return tokens[index] if index < len(tokens) else None
+
+    def take() -> object:
+        nonlocal index
+        index += 1
+        return tokens[index - 1]
+
+    def atom() -> Fraction:
+        token = take() if index < len(tokens) else None
+        if isinstance(token, int):
+            numbers.append(token)
+            return Fraction(token)
+        if token == "(":
+            value = sum_of_terms()
+            if peek() != ")":
+                raise ValueError("unclosed parenthesis")
+            take()
+            return value
+        raise ValueError(f"unexpected {token!r}")
+
+    def term() -> Fraction:
+        value = atom()
+        while peek() in ("*", "/"):
+            operator, right = take(), atom()
+            value = value * right if operator == "*" else value / right  # ZeroDivisionError: malformed
+        return value
+
+    def sum_of_terms() -> Fraction:
+        value = term()
+        while peek() in ("+", "-"):
+            operator, right = take(), term()
+            value = value + right if operator == "+" else value - right
+        return value
+
+    try:
+        value = sum_of_terms()
+    except (ValueError, ZeroDivisionError):
+        return None
+    return (value, numbers) if index == len(tokens) else None
+
+
+def score_expression(expression: str | None, numbers: list[int], target: int, require_all: bool = False
+                     ) -> tuple[bool, bool]:
+    """(well formed, correct): an expression that parses, uses only the given numbers, each at most as often as
+    given (all of them with `require_all`, TinyZero's rule), and equals the target exactly."""
+    parsed = parse_expression(expression) if expression is not None else None
+    if parsed is None:
+        return False, False
+    value, used = parsed
+    allowed = Counter(numbers)
+    fair = not Counter(used) - allowed and (not require_all or Counter(used) == allowed)
+    return True, fair and value == target
+
+
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+class CountdownTask(Task):
+    """TinyZero's Countdown. Problems, procedural and offline by default, drawn as TinyZero's generator draws them:
+    3 or 4 numbers uniform in [1, 100] and a target uniform in [1, 1000] (so many problems have no solution, as in
+    TinyZero's; a solver would tell, but none runs here). The problems do not depend on --seed (fixed generator seeds,
+    the test set apart from the training stream); --seed sets only their order. `countdown:<source>` reads
+    Countdown-Tasks-3to4's format instead (`nums`, `target`): the hub id `Jiayi-Pan/Countdown-Tasks-3to4`, whose one
+    split gives TinyZero's 327,680 training and the next 1,024 test rows, or a local copy with train/test files.
+
+    The answer is the last `<answer>...</answer>` of the completion: an expression such as `(1 + 2) * 3`. Reward
+    (TinyZero's): 1 correct, 0.1 for an answer in tags that is wrong or misuses the numbers, 0 without one. Correct
+    means reward 1; `eval/well_formed` is the share of held-out answers in tags that parse as expressions."""
+    min_completion_length = 256  # room to think (TinyZero's template asks for <think> first) and answer
+    system_prompt = "You are a helpful assistant. You first think about the reasoning process and then answer."
+    require_all = False  # each number at most once (TinyZero: exactly once)
+
+    def __init__(self, source: str | None = None, num_train: int = 100_000, num_test: int = 500) -> None:
+        if source is None:
+            test_draws = tinyzero_draws(random.Random(4321))
+            self.test = [self.example(*next(test_draws)) for _ in range(num_test)]
+            held_out = {(tuple(sorted(e.data["numbers"])), e.data["target"]) for e in self.test}
+            draws = (d for d in tinyzero_draws(random.Random(4322)) if (tuple(sorted(d[0])), d[1]) not in held_out)
+            self.train = [self.example(*next(draws)) for _ in range(num_train)]
+            return
+        if source == "Jiayi-Pan/Countdown-Tasks-3to4":  # one hub split; TinyZero's cut
+            rows = load_split(source, "train")
+            self.train = [self.example(*self.fields(row)) for row in rows[:327_680]]
+            self.test = [self.example(*self.fields(row)) for row in rows[327_680:327_680 + 1024]]
+            return
+        self.train = [self.example(*self.fields(row)) for row in load_split(source, "train")]
+        self.test = [self.example(*self.fields(row)) for row in load_split(source, "test")]
+
+    @staticmethod
+    def fields(row: Row) -> tuple[list[int], int]:
+        numbers, target = row.need("nums", "target")
+        if not (isinstance(numbers, list) and numbers and all(isinstance(n, int) for n in numbers)
+                and isinstance(target, int)):
+            raise TaskError(f"{row.origin}: `nums` must be a list of integers and `target` an integer")
+        return numbers, target
+
+    def example(self, numbers: list[int], target: int, solution: str = "") -> Example:
+        return Example(self.prompt(numbers, target), solution, {"numbers": list(numbers), "target": target})
+
+    def prompt(self, numbers: list[int], target: int) -> str:
+        return (f"Using the numbers {numbers}, create an equation that equals {target}. You may use +, -, * and / "
+                "and parentheses, and each number at most once. Think it through inside <think> </think> tags, "
+                "then give only the expression inside <answer> </answer> tags, for example "
+                "<answer> (1 + 2) / 3 </answer>.")
+
+    def answer(self, completion: str) -> str | None:
+        tags = ANSWER_TAG.findall(completion)
+        return tags[-1].strip() if tags else None
+
+    def judge(self, completion: str, example: Example) -> tuple[bool, bool, bool]:
+        """(answered, well formed, correct)."""
+        expression = self.answer(completion)
+        formed, right = score_expression(expression, example.data["numbers"], example.data["target"],
+                                         self.require_all)
+        return expression is not None, formed, right
+
+    def reward(self, completion: str, example: Example) -> float:
+        answered, _, right = self.judge(completion, example)
+        return 1.0 if right else 0.1 if answered else 0.0
+
+    def correct(self, completion: str, example: Example) -> bool:
+        return self.judge(completion, example)[2]
+
+    def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
+        return {"well_formed": float(self.judge(completion, example)[1])}
+
+
+def tinyzero_draws(rng: random.Random) -> Iterator[tuple[list[int], int]]:
+    """TinyZero's generator, endless: 3 or 4 numbers uniform in [1, 100], a target uniform in [1, 1000]."""
+    while True:
+        size = rng.choice((3, 4))
+        yield [rng.randint(1, 100) for _ in range(size)], rng.randint(1, 1000)
+
+
+class TinyCountdownTask(CountdownTask):
+    """Countdown small enough for the embedded character-level models and two CPU cores: three numbers in [1, 9],
+    all used, a target that some expression of them reaches (positive, at most 100), and a bare prompt `3,5,7->22:`
+    answered by the bare expression (`(7-5)*3`... no tags, no template). Each example's `answer` is the expression
+    that made its target (for supervised warm-up: assets/build_tiny_model.py). Reward: 1 correct, 0.1 for an
+    expression that parses but is wrong or misuses the numbers, 0 otherwise. The problems do not depend on --seed;
+    the test problems (numbers as a multiset, and target) never occur in training."""
+    min_completion_length = 8  # the longest expression, `(9-8)*7`, and the EOS
+    system_prompt = None
+    chat_template = False
+    require_all = True
+
+    def __init__(self, num_train: int = 20_000, num_test: int = 500) -> None:
+        rng = random.Random(2468)
+        self.test, held_out = [], set()
+        while len(self.test) < num_test:
+            numbers, target, expression = tiny_draw(rng)
+            if (tuple(sorted(numbers)), target) not in held_out:
+                held_out.add((tuple(sorted(numbers)), target))
+                self.test.append(self.example(numbers, target, expression))
+        rng, self.train = random.Random(2469), []
+        while len(self.train) < num_train:
+            numbers, target, expression = tiny_draw(rng)
+            if (tuple(sorted(numbers)), target) not in held_out:
+                self.train.append(self.example(numbers, target, expression))
+
+    def prompt(self, numbers: list[int], target: int) -> str:
+        return f"{','.join(map(str, numbers))}->{target}:"  # no spaces: Qwen2's tokenizer class drops them
+
+    def answer(self, completion: str) -> str | None:
+        return completion.strip()
+
+    def reward(self, completion: str, example: Example) -> float:
+        _, formed, right = self.judge(completion, example)
+        return 1.0 if right else 0.1 if formed else 0.0
+
+
+def tiny_draw(rng: random.Random) -> tuple[list[int], int, str]:
+    """Three numbers in [1, 9] and an expression of all three in a random order and shape, redrawn until its value
+    is an integer in [1, 100]."""
+    while True:
+        numbers = [rng.randint(1, 9) for _ in range(3)]
+        a, b, c = rng.sample(numbers, 3)
+        first, second = rng.choice("+-*/"), rng.choice("+-*/")
+        expression = rng.choice((f"{a}{first}{b}{second}{c}", f"({a}{first}{b}){second}{c}",
+                                 f"{a}{first}({b}{second}{c})"))
+        parsed = parse_expression(expression)
+        if parsed and parsed[0].denominator == 1 and 1 <= parsed[0] <= 100:
+            return numbers, int(parsed[0]), expression
