@@ -1,10 +1,12 @@
-"""Build the embedded default model `assets/tiny-adder/`: a character-level tokenizer and a tiny Qwen2 trained by SFT
-on `AdditionTask().train` until it is only partly right on the held-out test set, so RL has room to improve it.
+"""Build the embedded models: a character-level tokenizer and a tiny Qwen2 trained by SFT on a task's training set
+until it is only partly right on the held-out test set, so RL has room to improve it. `assets/tiny-adder/` (the
+default model, `AdditionTask`) and `assets/tiny-countdown/` (`TinyCountdownTask`, `--task countdown_tiny`).
 
 Deterministic: a fixed seed, deterministic kernels and a fixed thread count rebuild the same `model.safetensors`,
 bit for bit, on the same machine and software. Run from the repository root:
 
     python -m assets.build_tiny_model
+    python -m assets.build_tiny_model --task countdown_tiny --output-dir assets/tiny-countdown --steps STEPS
 """
 
 import hashlib
@@ -13,20 +15,23 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
 from tokenizers import Tokenizer, decoders, models
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from common.tasks import AdditionTask, Example
+from common.tasks import TASKS, Example, Task
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
-CHARACTERS = list("0123456789+=")
+CHARACTERS = {"addition": "0123456789+=", "countdown_tiny": "0123456789+-*/(),>:"}  # each task's alphabet
 
 
 @dataclass
 class Args:
+    task: Literal["addition", "countdown_tiny"] = "addition"
+    """the task whose training set the model learns (and whose characters are its vocabulary)"""
     output_dir: str = "assets/tiny-adder"
     """where the model, tokenizer and build_info.json go"""
     seed: int = 1
@@ -52,9 +57,9 @@ class Args:
     """also print held-out greedy accuracy every `log_every` steps (to choose `steps`)"""
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(characters: str = CHARACTERS["addition"]) -> PreTrainedTokenizerFast:
     """One token per character: a BPE model with no merges, so every known character is its own token."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(characters))}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     tokenizer.decoder = decoders.Fuse()  # join the characters back without spaces
@@ -99,8 +104,10 @@ def make_batch(examples: list[Example], tokenizer: PreTrainedTokenizerFast) -> t
 
 
 @torch.no_grad()
-def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example]) -> float:
-    """Exact-match accuracy of greedy completions. Prompts are batched by length, so no padding is involved."""
+def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example],
+                    task: Task) -> float:
+    """The share of greedy completions the task counts correct. Prompts are batched by length, so no padding is
+    involved."""
     by_length: dict[int, list[Example]] = {}
     for example in examples:
         by_length.setdefault(len(example.prompt), []).append(example)
@@ -108,10 +115,11 @@ def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast,
     for group in by_length.values():
         prompt_ids = torch.tensor([tokenizer.encode(example.prompt) for example in group])
         output = model.generate(
-            prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False, max_new_tokens=6
+            prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False,
+            max_new_tokens=task.min_completion_length + 1,
         )
         completions = tokenizer.batch_decode(output[:, prompt_ids.shape[1] :], skip_special_tokens=True)
-        correct += sum(completion.strip() == example.answer for completion, example in zip(completions, group))
+        correct += sum(task.correct(completion, example) for completion, example in zip(completions, group))
     return correct / len(examples)
 
 
@@ -120,8 +128,8 @@ def main(args: Args) -> None:
     torch.set_num_threads(args.num_threads)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
-    task = AdditionTask()
-    tokenizer = build_tokenizer()
+    task = TASKS[args.task]()
+    tokenizer = build_tokenizer(CHARACTERS[args.task])
     model = build_model(tokenizer)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
@@ -148,14 +156,14 @@ def main(args: Args) -> None:
             message = f"step {step:5d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}"
             if args.eval_during_training:
                 model.eval()
-                message += f"  held-out greedy accuracy {greedy_accuracy(model, tokenizer, task.test):.3f}"
+                message += f"  held-out greedy accuracy {greedy_accuracy(model, tokenizer, task.test, task):.3f}"
                 model.train()
             print(message, flush=True)
 
     # held-out evaluation, then save
     model.eval()
-    accuracy = greedy_accuracy(model, tokenizer, task.test)
-    accuracy_first_100 = greedy_accuracy(model, tokenizer, task.test[:100])
+    accuracy = greedy_accuracy(model, tokenizer, task.test, task)
+    accuracy_first_100 = greedy_accuracy(model, tokenizer, task.test[:100], task)
     output_dir = Path(args.output_dir)
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)

@@ -1,5 +1,6 @@
-"""The embedded default model `assets/tiny-adder/`: it loads, its held-out accuracy is what build_info.json says, and
-its build script is bitwise reproducible (same seed, same hash; other seed, other hash)."""
+"""The embedded models `assets/tiny-adder/` (the default) and `assets/tiny-countdown/`: each loads, its held-out
+accuracy is what its build_info.json says, and the build script is bitwise reproducible (same seed, same hash; other
+seed, other hash)."""
 
 import hashlib
 import json
@@ -13,34 +14,38 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from assets.build_tiny_model import Args, greedy_accuracy
-from common.tasks import AdditionTask
+from common.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "assets" / "tiny-adder"
+# each committed model and the build arguments that made it (python -m assets.build_tiny_model [those arguments])
+MODELS = {"tiny-adder": Args(),
+          "tiny-countdown": Args(task="countdown_tiny", output_dir="assets/tiny-countdown", steps=750)}
+SAMPLE_PROMPTS = {"tiny-adder": "12+34=", "tiny-countdown": "3,5,7->22:"}
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def build_info() -> dict:
-    return json.loads((MODEL_DIR / "build_info.json").read_text())
+@pytest.mark.parametrize("name", MODELS)
+def test_committed_model_matches_build_info(name: str) -> None:
+    model_dir, build_info = ROOT / "assets" / name, json.loads((ROOT / "assets" / name / "build_info.json").read_text())
+    assert sha256(model_dir / "model.safetensors") == build_info["model_safetensors_sha256"]
+    assert build_info["args"] == asdict(MODELS[name])  # built by the build script with these arguments
+    assert sum(path.stat().st_size for path in model_dir.iterdir()) < 10 * 2**20
 
 
-def test_committed_model_matches_build_info(build_info: dict) -> None:
-    assert sha256(MODEL_DIR / "model.safetensors") == build_info["model_safetensors_sha256"]
-    assert build_info["args"] == asdict(Args())  # built by `python -m assets.build_tiny_model` with today's defaults
-    assert sum(path.stat().st_size for path in MODEL_DIR.iterdir()) < 10 * 2**20
-
-
-def test_committed_model_heldout_accuracy(build_info: dict) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-    assert tokenizer.chat_template is None and tokenizer.decode(tokenizer.encode("12+34=")) == "12+34="
+@pytest.mark.parametrize("name", MODELS)
+def test_committed_model_heldout_accuracy(name: str) -> None:
+    model_dir, build_info = ROOT / "assets" / name, json.loads((ROOT / "assets" / name / "build_info.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = SAMPLE_PROMPTS[name]
+    assert tokenizer.chat_template is None and tokenizer.decode(tokenizer.encode(prompt)) == prompt
     assert model.config.eos_token_id == tokenizer.eos_token_id != tokenizer.pad_token_id
     assert len(tokenizer) == model.config.vocab_size  # AutoTokenizer (Qwen2Tokenizer) added no token
-    accuracy = greedy_accuracy(model, tokenizer, AdditionTask().test[:100])  # the Auto-loaded model, not the builder's
+    task = TASKS[MODELS[name].task]()
+    accuracy = greedy_accuracy(model, tokenizer, task.test[:100], task)  # the Auto-loaded model, not the builder's
     assert abs(accuracy - build_info["heldout_greedy_accuracy_first_100"]) <= 0.02
     assert 0.30 <= build_info["heldout_greedy_accuracy"] <= 0.75  # weak enough to leave room for RL
     assert 0.25 <= accuracy <= 0.80
