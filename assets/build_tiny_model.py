@@ -116,7 +116,7 @@ def greedy_accuracy(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast,
         prompt_ids = torch.tensor([tokenizer.encode(example.prompt) for example in group])
         output = model.generate(
             prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False,
-            max_new_tokens=task.min_completion_length + 1,
+            max_new_tokens=task.min_completion_length + 2,  # room to go wrong past the shortest budget
         )
         completions = tokenizer.batch_decode(output[:, prompt_ids.shape[1] :], skip_special_tokens=True)
         correct += sum(task.correct(completion, example) for completion, example in zip(completions, group))

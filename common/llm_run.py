@@ -114,11 +114,11 @@ class LLMArgs:
     resume: str | None = None  # a checkpoint (or checkpoints/) to continue, in its run directory, with the same args
 
 
-# Arguments a resumed run may change: where and how it reports, not what it computes.
+# Arguments a resumed run may change: where and how it reports, not what it computes (so not --rollout-engine: vLLM
+# and transformers draw other samples).
 MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "eval_every",
                         "num_eval_prompts", "eval_samples", "eval_temperature", "save_every", "keep_last",
-                        "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization")  # not the engine: vLLM and
-# transformers draw other samples
+                        "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization")
 
 
 def check_llm_args(args: LLMArgs, world_size: int) -> None:
@@ -238,14 +238,18 @@ def prepare_run(args: LLMArgs) -> LLMRun:
         texts = [task.format_prompt(tokenizer, example) for example in examples]
         return tokenizer(texts, add_special_tokens=not templated).input_ids
 
-    train_ids = encode(task.train)
-    probe = task.train[:32] + task.test[:32]  # the same prompts on every rank: the same decision
-    try:
+    try:  # a chat template may refuse the task's messages (e.g. no system role), a user's format_prompt may raise
+        train_ids, test_ids = encode(task.train), encode(task.test)
+        probe = task.train[:32] + task.test[:32]  # the same prompts on every rank
         check_task_fits(task, args.task, tokenizer, args.model_name_or_path,
-                        [task.format_prompt(tokenizer, e) for e in probe], train_ids[:32] + encode(task.test[:32]),
+                        [task.format_prompt(tokenizer, e) for e in probe], train_ids[:32] + test_ids[:32],
                         args.max_completion_length)
     except TaskError as error:
-        fail(str(error))
+        problem = str(error)
+    except Exception as error:
+        problem = f"task {args.task!r}: its prompts cannot be formatted for {args.model_name_or_path!r}: {error!r}"
+    if not all_ranks_ok(problem is None):
+        fail(problem or "another rank cannot format the task's prompts; its message says why")
     keep = [i for i, ids in enumerate(train_ids) if len(ids) <= args.max_prompt_length]
     if len(keep) < args.prompts_per_step:
         fail(f"only {len(keep)} training prompts fit --max-prompt-length {args.max_prompt_length}")
@@ -255,7 +259,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     if layout is not None:
         rank, world_size = dist.get_rank(), dist.get_world_size()
     run = LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
-                 [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in encode(task.test)],
+                 [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in test_ids],
                  eos_ids, pad_id, resume_dir, resume_state, layout)
     if layout is not None and layout.is_rollout:
         serve_rollouts(run)
@@ -297,13 +301,13 @@ def serve_rollouts(run: LLMRun) -> None:
         prompts, examples, samples, seconds = sample_prompts(engine, run, step)
         scored = time.time()
         texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
-        scores, correct = task_scores(run.task.reward, examples, texts), task_scores(run.task.correct, examples, texts)
+        scores, correct = zip(*task_scores(run.task.score, examples, texts))
         timings = {"generate_s": seconds, "score_s": time.time() - scored, "rollout_wait_s": idle,
                    "longest_completion": float(max(len(s.completion_ids) for s in samples)),
                    "completions": float(len(samples))}
         idle = 0.0
-        transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples, scores, correct, version,
-                 timings)
+        transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples,
+                 [float(score) for score in scores], [float(right) for right in correct], version, timings)
 
     def load_weights() -> None:
         transfer(lambda: engine.update_weights(receive_weights(layout, run.device)))
@@ -441,8 +445,6 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
         prompts, examples, _ = rank_rows(run, step)
         payloads = engine.batch(step)
         samples = [sample for payload in payloads for sample in payload["samples"]]
-        received_scores = [score for payload in payloads for score in payload["scores"]]
-        received_correct = [right for payload in payloads for right in payload["correct"]]
         version, rollout_timings = payloads[0]["version"], [payload["timings"] for payload in payloads]
         seconds = max(timings["generate_s"] for timings in rollout_timings)
     else:
@@ -455,8 +457,13 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
     lengths = all_gather_rows(mine)
     gathered = time.time()
     texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
-    scores = torch.tensor(received_scores if rollout_timings else task_scores(run.task.reward, examples, texts))
-    correct = torch.tensor(received_correct if rollout_timings else task_scores(run.task.correct, examples, texts))
+    if rollout_timings:  # scored on the rollout ranks (a checkpoint older than `correct`: scores of 1 are correct)
+        judged = [pair for payload in payloads for pair in zip(payload["scores"], payload.get(
+            "correct", [score >= 1 for score in payload["scores"]]))]
+    else:
+        judged = task_scores(run.task.score, examples, texts)
+    scores = torch.tensor([float(score) for score, _ in judged])
+    correct = torch.tensor([float(right) for _, right in judged])
     timings = {"generate_s": generated - started, "wait_s": gathered - generated, "score_s": time.time() - gathered,
                "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
     return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, correct, lengths,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,14 +25,14 @@ def decode_completion(tokenizer: object, ids: list[int], eos_ids: list[int]) -> 
     return tokenizer.decode(ids[:-1] if ids and ids[-1] in eos_ids else ids, skip_special_tokens=True)
 
 
-def task_scores(score: object, examples: list[Example], texts: list[str]) -> list[float]:
-    """`score(text, example)` of every completion (the task's `reward`, or its `correct`). One that raises on any rank
-    stops every rank with a message naming the prompt and completion, instead of leaving the others waiting in the
-    next collective."""
+def task_scores(score: Callable[[str, Example], Any], examples: list[Example], texts: list[str]) -> list[Any]:
+    """`score(text, example)` of every completion: the task's `score` (reward, correct), `correct` or `eval_metrics`.
+    One that raises on any rank stops every rank with a message naming the prompt and completion, instead of leaving
+    the others waiting in the next collective."""
     scores, error = [], None
     for example, text in zip(examples, texts):
         try:
-            scores.append(float(score(text, example)))
+            scores.append(score(text, example))
         except Exception as exception:
             error = (f"the task's {getattr(score, '__name__', 'reward')} function failed on prompt "
                      f"{example.prompt!r} with completion {text!r}: {exception!r}")
@@ -59,14 +60,8 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
     samples = engine.generate([test_ids[i] for i in indices], [0] * len(indices), max_tokens, 0.0, run.eos_ids)
     texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
     examples = [run.test[i] for i in indices]
-    sums = {"accuracy": sum(task_scores(task.correct, examples, texts))}
-    names = sorted(task.eval_metrics("", run.test[0]))  # the same names on every rank, even one without prompts
-    for name in names:
-        sums[name] = 0.0
-    for example, text in zip(examples, texts):
-        values = task.eval_metrics(text, example)
-        for name in names:
-            sums[name] += float(values[name])
+    sums = {"accuracy": float(sum(task_scores(task.correct, examples, texts)))}
+    sums.update(task_metric_sums(task, run.test[0], examples, texts))
     k = args.eval_samples
     if k:
         prompts = [test_ids[i] for i in indices for _ in range(k)]
@@ -76,9 +71,31 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
         right = task_scores(task.correct, [run.test[i] for i in indices for _ in range(k)], texts)
         correct = [int(sum(right[p * k:(p + 1) * k])) for p in range(len(indices))]
         sums[f"mean@{k}"] = sum(correct) / k
-        for j in sorted({2**e for e in range(1, k.bit_length()) if 2**e < k} | {k} - {1}):
+        powers = {2**e for e in range(1, k.bit_length()) if 2**e < k}  # 2, 4, ... below k
+        for j in sorted(powers | ({k} if k > 1 else set())):
             sums[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct)
     return {f"eval/{name}": value / count for name, value in reduce_stats(sums).items()}
+
+
+def task_metric_sums(task: object, first_test: Example, examples: list[Example], texts: list[str]
+                     ) -> dict[str, float]:
+    """The sums of the task's `eval_metrics` over this rank's completions. Every rank sends the same names to the
+    reduction (those of the first test example, even a rank without prompts); a completion that gives other names,
+    a reserved name or a raise stops every rank with a message."""
+    names = set(task.eval_metrics("", first_test))
+    sums, problem = dict.fromkeys(sorted(names), 0.0), None
+    reserved = {name for name in names if name == "accuracy" or name.startswith(("mean@", "pass@"))}
+    if reserved:
+        problem = f"the task's eval_metrics uses the reserved name(s) {sorted(reserved)}: name them otherwise"
+    for example, text, values in zip(examples, texts, task_scores(task.eval_metrics, examples, texts)):
+        if problem is None and set(values) != names:
+            problem = (f"the task's eval_metrics gave {sorted(values)} for prompt {example.prompt!r} with completion "
+                       f"{text!r}, but {sorted(names)} for an empty completion: it must always give the same names")
+        for name in names & set(values):
+            sums[name] += float(values[name])
+    if not all_ranks_ok(problem is None):
+        fail(problem or "the task's eval_metrics failed on another rank")
+    return sums
 
 
 class RewardModel:

@@ -241,3 +241,56 @@ def test_a_correct_that_raises_stops_every_rank(tmp_path: Path):
     assert result.returncode != 0
     assert result.stderr.count("error: the task's correct function failed on prompt") == 2, result.stderr[-2000:]
     assert "RuntimeError('scorer bug')" in result.stderr
+
+
+def test_eval_metrics_must_keep_their_names(capsys: pytest.CaptureFixture):
+    """The held-out metrics of a task are reduced by name over ranks: a completion that gives other names, or a
+    reserved name, stops every rank with a message instead of a KeyError on some ranks and a wait on the others."""
+    from common.scoring import task_metric_sums
+
+    class Tags(TinyCountdownTask):
+        def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
+            return {"tags": 1.0} if completion else {}
+
+    task = Tags(num_train=8, num_test=4)
+    examples = task.test[:2]
+    assert task_metric_sums(TinyCountdownTask(8, 4), examples[0], examples, ["1+2", "(("]) == {"well_formed": 1.0}
+    with pytest.raises(SystemExit) as stopped:
+        task_metric_sums(task, examples[0], examples, ["", "1+2"])
+    assert stopped.value.code == 2 and "must always give the same names" in capsys.readouterr().err
+
+    class Reserved(TinyCountdownTask):
+        def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
+            return {"accuracy": 0.5}
+
+    with pytest.raises(SystemExit):
+        task_metric_sums(Reserved(num_train=8, num_test=4), examples[0], examples, ["", ""])
+    assert "reserved name(s) ['accuracy']" in capsys.readouterr().err
+
+
+def test_answers_in_tags_are_read_in_linear_time():
+    from common.tasks.base import last_tagged
+
+    assert last_tagged("<answer> 1 </answer> then <answer>2</answer>") == "2"
+    assert last_tagged("<answer>1<answer>2</answer>") == "2" and last_tagged("<answer>1") is None
+    assert last_tagged("</answer><answer>") is None and last_tagged("<answer></answer>") == ""
+    hostile = "<answer>" * 50_000  # a regex over unclosed tags takes seconds here; two searches from the end do not
+    task, example = CountdownTask(num_train=4, num_test=2), Example("", "", {"numbers": [1, 2], "target": 3})
+    assert task.score(hostile, example) == (0.0, False) and task.score(hostile + "1+2</answer>", example) == (1.0, True)
+
+
+def test_bad_rows_are_named(tmp_path: Path):
+    (tmp_path / "train.json").write_text('[{"nums": [1, 2], "target": 3}, 7]')
+    (tmp_path / "test.jsonl").write_bytes(b'{"nums": [1, 2], "target": 3}\n\xff\n')
+    with pytest.raises(TaskError, match=re.escape(f"{tmp_path / 'train.json'} item 2: a row must be a JSON object")):
+        make_task(f"countdown:{tmp_path}")
+    (tmp_path / "train.json").write_text('[{"nums": [1, 2], "target": true}]')
+    with pytest.raises(TaskError, match="`target` an integer"):  # a bool is an int to Python, not to the task
+        make_task(f"countdown:{tmp_path}")
+    (tmp_path / "train.json").write_text('[{"nums": [1, 2], "target": 3}]')
+    with pytest.raises(TaskError, match=re.escape(f"{tmp_path / 'test.jsonl'}: not UTF-8 text")):
+        make_task(f"countdown:{tmp_path}")
+    (tmp_path / "train.jsonl").write_text('{"question": "Two?", "answer": 2}\n')
+    (tmp_path / "test.jsonl").write_text('{"question": "Two?", "answer": "#### 2"}\n')
+    with pytest.raises(TaskError, match=re.escape(f"{tmp_path / 'train.jsonl'}:1: field 'answer' must be text")):
+        make_task(f"gsm8k:{tmp_path}")

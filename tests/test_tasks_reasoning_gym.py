@@ -107,12 +107,16 @@ def test_prompt_has_reasoning_gym_system_prompt(arithmetic):
     assert arithmetic.format_prompt(object(), example) == f"{SYSTEM_PROMPTS['default']}\n{example.prompt}"
 
 
-def test_a_scorer_that_raises_propagates():
-    task = ReasoningGymTask("prime_factorization", num_train=5, num_test=5)
-    example = task.test[0]
-    assert task.reward(tagged(example.answer), example) == 1.0
-    with pytest.raises(ValueError):  # reasoning-gym 0.1.25's scorer parses every factor as an int
-        task.reward(tagged("banana"), example)
+def test_a_scorer_that_raises_is_refused_up_front():
+    """reasoning-gym 0.1.25's prime_factorization raises on a non-numeric factor: training would stop at the first
+    such completion, so the task refuses the dataset (the raise itself is shown on the dataset directly)."""
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset("prime_factorization", size=1, seed=1)
+    with pytest.raises(ValueError):
+        dataset.score_answer("banana", dataset[0])
+    with pytest.raises(TaskError, match="cannot train: .*raises ValueError"):
+        ReasoningGymTask("prime_factorization", num_train=5, num_test=5)
 
 
 def test_unknown_and_refused_datasets(monkeypatch):

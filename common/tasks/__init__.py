@@ -41,9 +41,9 @@ TASK_HELP = (f"a registered task ({', '.join(TASKS)}); `name:argument` for a loc
              "(`reasoning_gym:basic_arithmetic`); or your own Task class: `path/to/file.py:Class` or "
              "`package.module:Class`")
 
-__all__ = ["TASKS", "AdditionTask", "CountdownTask", "DapoMathTask", "Example", "GSM8KTask", "MathTask",
+__all__ = ["TASKS", "TASK_HELP", "AdditionTask", "CountdownTask", "DapoMathTask", "Example", "GSM8KTask", "MathTask",
            "ReasoningGymTask", "Task", "TaskError", "TinyCountdownTask", "addition_examples", "addition_operands",
-           "gsm8k_flexible", "gsm8k_strict", "make_task"]
+           "check_task_fits", "gsm8k_flexible", "gsm8k_strict", "make_task"]
 
 
 def make_task(spec: str) -> Task:
@@ -78,12 +78,12 @@ def user_class(location: str, class_name: str) -> type:
         sys.modules[module_name] = module  # dataclasses and pickling look a class's module up here
         try:
             spec.loader.exec_module(module)
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # a script that exits on import
             raise TaskError(f"task file {location!r} does not import: {error!r}") from error
     else:
         try:
             module = importlib.import_module(location)
-        except Exception as error:
+        except (Exception, SystemExit) as error:
             raise TaskError(f"task module {location!r} does not import: {error!r}; a file needs the .py suffix, "
                             f"and a registered task is one of {', '.join(TASKS)}") from error
     if not hasattr(module, class_name):

@@ -10,7 +10,7 @@ class AdditionTask(Task):
     `test_seed` and excluded from the training stream as unordered pairs: neither `a+b=` nor its commutative twin
     `b+a=` is trained on, so held-out accuracy measures generalisation rather than recall of the swapped sum.
     The problems do not depend on --seed (only their order does). The embedded model reads no chat template."""
-    min_completion_length = 5  # four digits and the EOS
+    min_completion_length = 4  # the longest sum's four digits (the reward reads the digits; the EOS may be cut)
 
     def __init__(self, digits: int = 3, num_train: int = 100_000, num_test: int = 500, test_seed: int = 1234) -> None:
         self.digits = digits

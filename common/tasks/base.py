@@ -41,6 +41,11 @@ class Task:
         reward of 1 or more; a task whose reward gives partial credit says what correct means."""
         return self.reward(completion, example) >= 1.0
 
+    def score(self, completion: str, example: Example) -> tuple[float, bool]:
+        """(reward, correct) of one completion, what training asks for. Override it when both come from one check
+        that is costly to run twice (a symbolic verifier)."""
+        return self.reward(completion, example), self.correct(completion, example)
+
     def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
         """More held-out metrics of one greedy completion (e.g. a lenient accuracy), each averaged over the test
         prompts and logged as eval/<name>. None by default."""
@@ -69,6 +74,22 @@ class Row(dict):
         if missing:
             raise TaskError(f"{self.origin}: no field {', '.join(map(repr, missing))} (its fields: {sorted(self)})")
         return [self[name] for name in names]
+
+    def need_text(self, *names: str) -> list[str]:
+        """`need`, and each value must be a string."""
+        values = self.need(*names)
+        for name, value in zip(names, values):
+            if not isinstance(value, str):
+                raise TaskError(f"{self.origin}: field {name!r} must be text, got {type(value).__name__} {value!r:.40}")
+        return values
+
+
+def last_tagged(text: str, tag: str = "answer") -> str | None:
+    """The stripped text inside the last `<tag>...</tag>` (the last opening before the last closing), or None. Two
+    searches from the end: linear in the completion, where a regex over many unclosed tags is quadratic."""
+    end = text.rfind(f"</{tag}>")
+    start = text.rfind(f"<{tag}>", 0, end) if end >= 0 else -1
+    return text[start + len(tag) + 2:end].strip() if start >= 0 else None
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -106,12 +127,18 @@ def read_local(path: Path) -> list[Row]:
         import pyarrow.parquet as parquet
 
         return [Row(row, f"{path} row {i + 1}") for i, row in enumerate(parquet.read_table(path).to_pylist())]
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise TaskError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as error:
             raise TaskError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise TaskError(f"{path} item {i + 1}: a row must be a JSON object, got {type(row).__name__}")
         return [Row(row, f"{path} item {i + 1}") for i, row in enumerate(rows)]
     rows = []
     for number, line in enumerate(text.splitlines(), 1):

@@ -11,10 +11,10 @@ from collections import Counter
 from collections.abc import Iterator
 from fractions import Fraction
 
-from common.tasks.base import Example, Row, Task, TaskError, load_split
+from common.tasks.base import Example, Row, Task, TaskError, last_tagged, load_split
 
 MAX_EXPRESSION_CHARS = 256  # longer answers are malformed: the given numbers never need more
-TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
+TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
 
 
 def parse_expression(text: str) -> tuple[Fraction, list[int]] | None:
@@ -88,9 +88,6 @@ def score_expression(expression: str | None, numbers: list[int], target: int, re
     return True, fair and value == target
 
 
-ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
 class CountdownTask(Task):
     """TinyZero's Countdown. Problems, procedural and offline by default, drawn as TinyZero's generator draws them:
     3 or 4 numbers uniform in [1, 100] and a target uniform in [1, 1000] (so many problems have no solution, as in
@@ -105,6 +102,7 @@ class CountdownTask(Task):
     min_completion_length = 256  # room to think (TinyZero's template asks for <think> first) and answer
     system_prompt = "You are a helpful assistant. You first think about the reasoning process and then answer."
     require_all = False  # each number at most once (TinyZero: exactly once)
+    partial_credit_for_parsing = False  # 0.1 for any answer in tags (TinyZero); True: only for one that parses
 
     def __init__(self, source: str | None = None, num_train: int = 100_000, num_test: int = 500) -> None:
         if source is None:
@@ -125,8 +123,8 @@ class CountdownTask(Task):
     @staticmethod
     def fields(row: Row) -> tuple[list[int], int]:
         numbers, target = row.need("nums", "target")
-        if not (isinstance(numbers, list) and numbers and all(isinstance(n, int) for n in numbers)
-                and isinstance(target, int)):
+        if not (isinstance(numbers, list) and numbers and all(type(n) is int for n in numbers)
+                and type(target) is int):  # not bool, which is an int too
             raise TaskError(f"{row.origin}: `nums` must be a list of integers and `target` an integer")
         return numbers, target
 
@@ -140,8 +138,7 @@ class CountdownTask(Task):
                 "<answer> (1 + 2) / 3 </answer>.")
 
     def answer(self, completion: str) -> str | None:
-        tags = ANSWER_TAG.findall(completion)
-        return tags[-1].strip() if tags else None
+        return last_tagged(completion)
 
     def judge(self, completion: str, example: Example) -> tuple[bool, bool, bool]:
         """(answered, well formed, correct)."""
@@ -150,9 +147,13 @@ class CountdownTask(Task):
                                          self.require_all)
         return expression is not None, formed, right
 
+    def score(self, completion: str, example: Example) -> tuple[float, bool]:
+        answered, formed, right = self.judge(completion, example)
+        partial = formed if self.partial_credit_for_parsing else answered
+        return (1.0 if right else 0.1 if partial else 0.0), right
+
     def reward(self, completion: str, example: Example) -> float:
-        answered, _, right = self.judge(completion, example)
-        return 1.0 if right else 0.1 if answered else 0.0
+        return self.score(completion, example)[0]
 
     def correct(self, completion: str, example: Example) -> bool:
         return self.judge(completion, example)[2]
@@ -179,6 +180,7 @@ class TinyCountdownTask(CountdownTask):
     system_prompt = None
     chat_template = False
     require_all = True
+    partial_credit_for_parsing = True  # no tags to reward: the expression must parse
 
     def __init__(self, num_train: int = 20_000, num_test: int = 500) -> None:
         rng = random.Random(2468)
@@ -199,10 +201,6 @@ class TinyCountdownTask(CountdownTask):
 
     def answer(self, completion: str) -> str | None:
         return completion.strip()
-
-    def reward(self, completion: str, example: Example) -> float:
-        _, formed, right = self.judge(completion, example)
-        return 1.0 if right else 0.1 if formed else 0.0
 
 
 def tiny_draw(rng: random.Random) -> tuple[list[int], int, str]:

@@ -24,7 +24,7 @@ class GSM8KTask(Task):
     rewarded 1) when the strict `####` answer equals the reference (verl's metric); held-out also
     `eval/accuracy_flexible` (the last number, verl's flexible) and `eval/accuracy_lenient` (math-verify on the
     completion: `\\boxed{}` or the last expression, as TRL and open-r1 score)."""
-    min_completion_length = 32  # a short chain of reasoning and `#### N`
+    min_completion_length = 16  # `#### N` and a line of working (real runs give it hundreds of tokens)
 
     def __init__(self, source: str | None = None) -> None:
         source = source or "openai/gsm8k"
@@ -33,7 +33,7 @@ class GSM8KTask(Task):
 
     @staticmethod
     def example(row: Row) -> Example:
-        question, solution = row.need("question", "answer")
+        question, solution = row.need_text("question", "answer")
         answer = solution.split("####")[-1].strip().replace(",", "")
         return Example(prompt=f"{question} {GSM8K_INSTRUCTION}", answer=answer)
 

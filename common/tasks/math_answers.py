@@ -212,7 +212,7 @@ class MathTask(Task):
 
     @staticmethod
     def example(row: Row) -> Example:
-        (problem,) = row.need("problem")
+        (problem,) = row.need_text("problem")
         answer = row.get("answer")
         if answer is None or not str(answer).strip():
             solution = row.get("solution")
@@ -228,6 +228,10 @@ class MathTask(Task):
 
     def correct(self, completion: str, example: Example) -> bool:
         return strict_correct(completion, example.answer)
+
+    def score(self, completion: str, example: Example) -> tuple[float, bool]:
+        right = strict_correct(completion, example.answer)  # one math-verify check for both
+        return float(right), right
 
     def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
         return {"accuracy_lenient": float(lenient_correct(completion, example.answer))}
@@ -329,6 +333,10 @@ class DapoMathTask(Task):
 
     def correct(self, completion: str, example: Example) -> bool:
         return dapo_correct(completion, example.answer)
+
+    def score(self, completion: str, example: Example) -> tuple[float, bool]:
+        right = dapo_correct(completion, example.answer)
+        return float(right), right
 
     def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
         return {"accuracy_lenient": float(lenient_correct(completion, example.answer))}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import os
 
-from common.tasks.base import Example, Task, TaskError
+from common.tasks.base import Example, Task, TaskError, last_tagged
 
 # Problem i of a dataset is drawn from Random(seed + i), so the two seed ranges must not meet: train uses the seeds
 # 1 .. 10,000, test 1,000,000 .. 1,000,499.
@@ -26,6 +26,8 @@ HASH_DEPENDENT = frozenset({"intermediate_integration", "isomorphic_strings", "k
 NEEDS_CONFIG = {"composite": "it mixes other datasets named in its configuration; pick one dataset instead"}
 # Datasets whose problems differ from process to process even with a fixed PYTHONHASHSEED (found as above)
 NONDETERMINISTIC = {"codeio": "it runs code samples to make its problems, and their outputs change from run to run"}
+# Datasets whose scorer raises on an answer a model will write: the first such completion would stop the run
+RAISING_SCORERS = {"prime_factorization": "reasoning-gym 0.1.25's scorer raises ValueError on a non-numeric factor"}
 
 
 class ReasoningGymTask(Task):
@@ -33,16 +35,18 @@ class ReasoningGymTask(Task):
     seed TRAIN_SEED, less any whose question is also in the test set; the test set is its first `num_test` problems
     from seed TEST_SEED (a repeated question kept once). The problems never depend on --seed (only the order in which
     training draws them does). `--task` gives the constants' sizes (the arguments are for tests; a smaller `num_test`
-gives a prefix of the same test set). Every rank makes them at start-up, on one core: from under a second
-(basic_arithmetic) to minutes (countdown, about 0.02 s a problem) or an hour (knight_swap, futoshiki, 0.3-0.4 s).
+    gives a prefix of the same test set). Every rank makes them at start-up, on one core: from under a second
+    (basic_arithmetic) to minutes (countdown, about 0.02 s a problem) or an hour (knight_swap, futoshiki, 0.3-0.4 s).
 
     The system prompt is reasoning-gym's default (think step by step, then the answer inside <answer></answer>). The
-    reward is the dataset's own `score_answer` on the last <answer>...</answer> of the completion (reasoning-gym's
-    `extract_answer`; None when there is none), so it gives the partial credit the dataset gives (countdown: 0.05 for
-    a wrong expression, 0.01 for none). Correct means a reward of exactly 1.0, the dataset's full marks. A scorer
-    that raises is not caught: the run stops with the prompt and the completion (reasoning-gym 0.1.25's
-    prime_factorization raises on a non-numeric answer). Held out, also eval/reward (the mean partial-credit reward)
-    and eval/answer_tags (the share of completions with an answer in tags)."""
+    reward is the dataset's own `score_answer` on the last <answer>...</answer> of the completion (`last_tagged`:
+    what reasoning-gym's `extract_answer` reads, in linear time; None when there is none), so it gives the partial
+    credit the dataset gives (countdown: 0.05 for a wrong expression, 0.01 for none). Correct means a reward of
+    exactly 1.0, the dataset's full marks. A scorer that raises is not caught: the run stops with the prompt and the
+    completion (so prime_factorization, whose scorer raises on a non-numeric answer, is refused). Held out, also
+    eval/reward (the mean partial-credit reward) and eval/answer_tags (the share of completions with an answer in
+    tags). Scorers that parse the answer with sympy (countdown's) run it on model text: see the README's Tasks
+    section."""
 
     def __init__(self, dataset: str, num_train: int = TRAIN_SIZE, num_test: int = TEST_SIZE) -> None:
         try:
@@ -60,6 +64,8 @@ gives a prefix of the same test set). Every rank makes them at start-up, on one 
                             "print(sorted(reasoning_gym.factory.DATASETS))\")")
         if dataset in NEEDS_CONFIG:
             raise TaskError(f"reasoning-gym dataset {dataset!r} needs a configuration: {NEEDS_CONFIG[dataset]}")
+        if dataset in RAISING_SCORERS:
+            raise TaskError(f"reasoning-gym's {dataset!r} cannot train: {RAISING_SCORERS[dataset]}")
         if dataset in NONDETERMINISTIC:
             raise TaskError(f"reasoning-gym's {dataset!r} gives other problems in every process (each rank, each "
                             f"resume): {NONDETERMINISTIC[dataset]}")
@@ -91,15 +97,14 @@ gives a prefix of the same test set). Every rank makes them at start-up, on one 
         return Example(prompt=entry["question"], answer="" if answer is None else str(answer), data=entry)
 
     def reward(self, completion: str, example: Example) -> float:
-        from reasoning_gym.utils import extract_answer
-
-        return float(self.score_answer(extract_answer(completion), example.data))
+        return float(self.score_answer(last_tagged(completion), example.data))
 
     def correct(self, completion: str, example: Example) -> bool:
         return self.reward(completion, example) == 1.0
 
-    def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
-        from reasoning_gym.utils import extract_answer
+    def score(self, completion: str, example: Example) -> tuple[float, bool]:
+        reward = self.reward(completion, example)  # one call of the dataset's scorer for both
+        return reward, reward == 1.0
 
-        return {"reward": self.reward(completion, example),
-                "answer_tags": float(extract_answer(completion) is not None)}
+    def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
+        return {"reward": self.reward(completion, example), "answer_tags": float(last_tagged(completion) is not None)}
