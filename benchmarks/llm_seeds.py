@@ -99,6 +99,7 @@ def summarise_run(run_dir: Path) -> dict | None:
     best_step, best = max(curve, key=lambda point: (point[1], -point[0]))  # the earliest step at the best value
     return {
         "run_dir": str(run_dir), "exp_name": manifest.get("exp_name", "?"), "seed": manifest["args"]["seed"],
+        "task": manifest["args"].get("task", "addition"),
         "command": command,
         "before": curve[0][1], "before_step": curve[0][0], "after": curve[-1][1], "after_step": curve[-1][0],
         "best": best, "best_step": best_step, "gain": curve[-1][1] - curve[0][1],
@@ -181,11 +182,12 @@ def main(argv: list[str]) -> int:
     runs.sort(key=lambda run: (run["seed"], run["run_dir"]))
     stats = mean_std(runs)
     name = "+".join(sorted({run["exp_name"] for run in runs}))
+    tasks = "+".join(sorted({run["task"] for run in runs}))
     out.mkdir(parents=True, exist_ok=True)
     text = table(runs, stats)
     commands = [run["command"] for run in runs]
     (out / "table.md").write_text(text + "\nCommands:\n\n" + "".join(f"    {c}\n" for c in commands))
-    plot(runs, f"{name}: held-out accuracy, {len(runs)} seeds", out / "accuracy.png")
+    plot(runs, f"{name} on {tasks}: held-out accuracy, {len(runs)} seeds", out / "accuracy.png")
     results = {"script": name, "summary": stats, "runs": runs, "commands": commands,
                "benchmark_command": shlex.join(["python", os.path.relpath(__file__, ROOT), *argv])}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
