@@ -152,12 +152,13 @@ if __name__ == "__main__":
         first_rows = torch.arange(len(by_prompt)) * args.num_generations
         chosen_rows, rejected_rows = (first_rows + chosen).tolist(), (first_rows + rejected).tolist()
         counts = reduce_stats({
-            "pairs": len(by_prompt), "preferred": preferred.sum(), "tokens": sum(map(len, rollout.completions)),
+            "pairs": len(by_prompt), "preferred": preferred.sum(),
+            "tokens": sum(s.model_tokens() for s in rollout.samples),  # the model's: never an environment's
             "truncated": sum(s.truncated for s in rollout.samples), "score": scores.sum(),
             "correct": rollout.correct.sum(), "chosen_score": by_prompt.max(dim=1).values.sum(),
             "rejected_score": by_prompt.min(dim=1).values.sum(),
-            "chosen_tokens": float(sum(len(rollout.completions[r]) for r in chosen_rows)),
-            "rejected_tokens": float(sum(len(rollout.completions[r]) for r in rejected_rows))})
+            "chosen_tokens": float(sum(rollout.samples[r].model_tokens() for r in chosen_rows)),
+            "rejected_tokens": float(sum(rollout.samples[r].model_tokens() for r in rejected_rows))})
         num_pairs, num_preferred = int(counts["pairs"]), int(counts["preferred"])
         num_sequences, num_tokens = num_pairs * args.num_generations, counts["tokens"]
         num_pair_tokens = int(counts["chosen_tokens"] + counts["rejected_tokens"])

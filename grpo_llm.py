@@ -227,7 +227,8 @@ if __name__ == "__main__":
         dist.all_gather(all_scores, scores)
         grouped = torch.cat(all_scores).view(args.prompts_per_step, args.num_generations)
         advantages = group_advantages(grouped, args.scale_advantages).flatten().view(world_size, -1)[rank].to(device)
-        counts = reduce_stats({"tokens": sum(map(len, rollout.completions)), "sequences": len(rollout.samples),
+        counts = reduce_stats({"tokens": sum(s.model_tokens() for s in rollout.samples),  # the model's, not the env's
+                               "sequences": len(rollout.samples),
                                "truncated": sum(s.truncated for s in rollout.samples), "correct": sum(rollout.correct)})
         num_tokens, num_sequences = int(counts["tokens"]), int(counts["sequences"])
 

@@ -179,9 +179,11 @@ def predicted_values(value_model: torch.nn.Module, batch: object) -> torch.Tenso
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
     """Ziegler et al. eq. 2 / Ouyang et al. eq. 2, per token: r_t = -beta * log(pi_old / pi_ref)_t, plus the
-    completion's score at its last token. kl: [B, C] per-token k1 estimates (0 on padding); scores: [B]."""
+    completion's score at its last token (the model's last: a multi-turn episode may end in environment tokens).
+    kl: [B, C] per-token k1 estimates (0 on padding); scores: [B]."""
     rewards = -beta * kl
-    last = (mask.sum(1).long() - 1).clamp(min=0)
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask > 0, columns, -1).max(1).values.clamp(min=0)
     rewards[torch.arange(len(scores), device=mask.device), last] += scores.to(rewards)
     return rewards * mask
 
@@ -197,17 +199,21 @@ def adaptive_kl_coef(beta: float, kl: float, target_kl: float, batch_size: int, 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
         ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2016, eq. 16): A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t,
-    over completion tokens [B, C], right-padded (mask). The state after the last token is terminal (V = 0), so a
-    completion cut off at the length limit is scored as it stands. Returns advantages and returns A + V (0 on
-    padding)."""
+    over the model's tokens of each completion [B, C] (mask 1). The state after the last token is terminal (V = 0),
+    so a completion cut off at the length limit is scored as it stands. A multi-turn episode's environment tokens
+    (mask 0 between model tokens) are not actions: they are how the state changes between the model's turns, so
+    they are skipped, not steps: t + 1 is the model's next token, gamma and lambda discount once per model token,
+    and the reply's tokens get no advantage and no return. Returns advantages and returns A + V (0 off the mask)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     next_value = next_advantage = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = delta + gamma * lam * next_advantage  # padding: delta 0 and next 0, so A stays 0
-        advantages[:, t] = next_advantage
-        next_value = values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        acts = mask[:, t] > 0  # padding and environment tokens carry the next model token's values through
+        advantages[:, t] = torch.where(acts, advantage, 0.0)
+        next_advantage = torch.where(acts, advantage, next_advantage)
+        next_value = torch.where(acts, values[:, t], next_value)
     return advantages, advantages + values
 
 
@@ -327,7 +333,7 @@ if __name__ == "__main__":
         value_model.eval()
         num_samples, completions = len(rollout.samples), rollout.completions
         width = max(1, max(map(len, completions)))
-        mask = pad_completions([[1.0] * len(c) for c in completions], width, device)
+        mask = pad_completions([s.model_mask() for s in rollout.samples], width, device)  # 0: padding, env tokens
         rollout_logprobs = pad_completions([s.logprobs for s in rollout.samples], width, device)
         old_logprobs, entropy, ref_logprobs, old_values = (torch.zeros_like(mask) for _ in range(4))
         pieces = split(range(num_samples), args.micro_batch_size)
@@ -348,7 +354,7 @@ if __name__ == "__main__":
         for epoch in range(args.ppo_epochs):
             generator = torch.Generator().manual_seed(sample_seed(args.seed, step, -1, epoch))  # -1: no sample's seed
             minibatches += list(torch.randperm(num_samples, generator=generator).split(minibatch_size))
-        lengths = torch.tensor([float(len(c)) for c in completions])
+        lengths = torch.tensor([float(s.model_tokens()) for s in rollout.samples])
 
         # --- one collective: whitening moments, explained variance, every minibatch's global token count ---
         counts = reduce_stats({

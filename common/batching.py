@@ -42,7 +42,8 @@ class TokenBatch:
     attention_mask: torch.Tensor | None  # [B, P + C]; packed: None (built per forward from segment_ids)
     position_ids: torch.Tensor  # [B, P + C], counting from each row's first real token (packed: [U, L])
     completion_ids: torch.Tensor  # [B, C]
-    mask: torch.Tensor  # [B, C] float, 1.0 on real completion tokens
+    mask: torch.Tensor  # [B, C] float, 1.0 on the completion tokens the model sampled (not padding, not a multi-turn
+    # episode's environment tokens: make_batch's loss_masks)
     prompt_width: int
     rollout_logprobs: torch.Tensor | None = None  # [B, C] float32, the engine's logprob of each token (0.0 off mask)
     packed_targets: torch.Tensor | None = None  # [U, L]: the token each packed column predicts (pad_id where none)
@@ -79,18 +80,27 @@ def pad_completions(values: list[list[float]], width: int, device: torch.device)
 
 
 def make_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device,
-               share_prompts: bool = False, rollout_logprobs: list[list[float]] | None = None) -> TokenBatch:
+               share_prompts: bool = False, rollout_logprobs: list[list[float]] | None = None,
+               loss_masks: list[list[int] | None] | None = None) -> TokenBatch:
+    """`loss_masks` (multi-turn): per completion, 1 on the tokens the model sampled and 0 on the environment's (None:
+    all the model's). The environment's tokens are attended to like any other, but `mask` is 0 there: no logprob is
+    computed for them (the head skips their rows), and every loss, count and normaliser built on `mask` leaves them
+    out."""
     prompt_width = max(len(p) for p in prompts)
     completion_width = max(1, max(len(c) for c in completions))
     completion_ids = _pack(completions, completion_width, pad_id, torch.long, left=False)
-    completion_mask = _pack([[1] * len(c) for c in completions], completion_width, 0, torch.float32, left=False)
+    real = _pack([[1] * len(c) for c in completions], completion_width, 0, torch.float32, left=False)
+    loss_masks = loss_masks or [None] * len(completions)
+    completion_mask = real if all(m is None for m in loss_masks) else _pack(
+        [m if m is not None else [1] * len(c) for m, c in zip(loss_masks, completions)], completion_width, 0,
+        torch.float32, left=False)
     engine = None if rollout_logprobs is None else pad_completions(rollout_logprobs, completion_width, device)
     if share_prompts:
         return _packed_batch(prompts, completions, pad_id, completion_ids, completion_mask, prompt_width, device,
                              engine)
     prompt_ids = _pack(prompts, prompt_width, pad_id, torch.long, left=True)
     mask = torch.cat([_pack([[1] * len(p) for p in prompts], prompt_width, 0, torch.long, left=True),
-                      completion_mask.long()], 1)
+                      real.long()], 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return TokenBatch(torch.cat([prompt_ids, completion_ids], 1).to(device), mask.to(device), positions.to(device),
                       completion_ids.to(device), completion_mask.to(device), prompt_width, engine)

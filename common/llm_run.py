@@ -40,7 +40,9 @@ from common.distributed import (
     init_distributed,
     local_world_size,
     nccl_record,
+    reduce_stats,
 )
+from common.episodes import episode_sums, is_multi_turn, reply_encoder, run_episodes, score_samples
 from common.layout import (
     Layout,
     RemoteRollouts,
@@ -52,8 +54,9 @@ from common.layout import (
 )
 from common.models import fsdp_shard_size, stream_weights
 from common.rollout import FakeEngine, Sample, engine_kind, make_engine, sample_seed
-from common.scoring import RewardModel, decode_completion, evaluate, task_scores
+from common.scoring import RewardModel, decode_completion, evaluate
 from common.tasks import TASK_HELP, Example, Task, TaskError, check_task_fits, make_task
+from common.tools import check_tools
 from common.tracking import RunTracker, get_logger
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-adder")
@@ -74,7 +77,11 @@ class LLMArgs:
     prompts_per_step: int = 64  # prompts per step across all ranks
     num_generations: int = 8  # G: completions sampled per prompt
     max_prompt_length: int = 512  # prompts longer than this (in tokens) are dropped from the dataset
-    max_completion_length: int = 8  # maximum tokens sampled per completion
+    max_completion_length: int = 8  # maximum tokens sampled per completion (multi-turn: per episode, every turn's
+    # model and environment tokens)
+    max_turns: int = 4  # multi-turn tasks (tools, environments): model turns per episode; single-turn tasks ignore it
+    allow_unisolated_tools: bool = False  # run a sandboxed tool (common/sandbox.py) even where this platform cannot
+    # isolate it (no user namespaces): model-written code can then reach the network and read the run's files
     temperature: float = 1.0  # sampling temperature; logprobs (rollout and trainer) are taken after it
     # --- optimizer ---
     learning_rate: float = 3e-4  # AdamW peak learning rate
@@ -124,7 +131,7 @@ MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_projec
 def check_llm_args(args: LLMArgs, world_size: int) -> None:
     """The checks every LLM script shares; each script adds its own. Runs on every rank before any collective."""
     for name in ("total_steps", "prompts_per_step", "num_generations", "micro_batch_size", "max_completion_length",
-                 "vllm_tp", "max_prompt_length", "learning_rate", "temperature"):
+                 "vllm_tp", "max_prompt_length", "learning_rate", "temperature", "max_turns"):
         if not getattr(args, name) > 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.rollout_ranks < 0 or args.max_staleness not in (0, 1):
@@ -183,6 +190,7 @@ class LLMRun:
     test: list[Example]  # the held-out prompts (cut to --max-prompt-length from the left), and their token ids
     test_ids: list[list[int]]
     eos_ids: list[int]  # every id that ends a completion, for both engines and for decoding
+    templated: bool  # the prompts (and a multi-turn task's replies) are written by the tokenizer's chat template
     pad_id: int
     resume_dir: Path | None
     resume_state: dict | None  # the checkpoint's trainer_state.pt: step, args, world size, RNG states, extra state
@@ -250,17 +258,26 @@ def prepare_run(args: LLMArgs) -> LLMRun:
         problem = f"task {args.task!r}: its prompts cannot be formatted for {args.model_name_or_path!r}: {error!r}"
     if not all_ranks_ok(problem is None):
         fail(problem or "another rank cannot format the task's prompts; its message says why")
+    eos_ids = eos_token_ids(args.model_name_or_path, tokenizer)
+    if is_multi_turn(task):  # before any engine: the replies can be encoded, the sandboxed tools can be isolated
+        hidden = [args.run_root] + ([args.resume] if args.resume else [])  # from code the model writes
+        problem = check_tools(task, args.allow_unisolated_tools, hidden)
+        try:
+            reply_encoder(tokenizer, templated, eos_ids)("0")
+        except TaskError as error:
+            problem = problem or f"task {args.task!r} with model {args.model_name_or_path!r}: {error}"
+        if not all_ranks_ok(problem is None):
+            fail(problem or "another rank cannot run the task's tools; its message says why")
     keep = [i for i, ids in enumerate(train_ids) if len(ids) <= args.max_prompt_length]
     if len(keep) < args.prompts_per_step:
         fail(f"only {len(keep)} training prompts fit --max-prompt-length {args.max_prompt_length}")
-    eos_ids = eos_token_ids(args.model_name_or_path, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     layout = split_world(args.rollout_ranks, args.max_staleness) if args.rollout_ranks else None
     if layout is not None:
         rank, world_size = dist.get_rank(), dist.get_world_size()
     run = LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
                  [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in test_ids],
-                 eos_ids, pad_id, resume_dir, resume_state, layout)
+                 eos_ids, templated, pad_id, resume_dir, resume_state, layout)
     if layout is not None and layout.is_rollout:
         serve_rollouts(run)
         sys.exit(0)
@@ -301,7 +318,7 @@ def serve_rollouts(run: LLMRun) -> None:
         prompts, examples, samples, seconds = sample_prompts(engine, run, step)
         scored = time.time()
         texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
-        scores, correct = zip(*task_scores(run.task.score, examples, texts))
+        scores, correct = zip(*score_samples(run.task, examples, samples, texts))
         timings = {"generate_s": seconds, "score_s": time.time() - scored, "rollout_wait_s": idle,
                    "longest_completion": float(max(len(s.completion_ids) for s in samples)),
                    "completions": float(len(samples))}
@@ -404,6 +421,7 @@ class Rollout:
     step: int
     version: int  # the weights that sampled it: after update `version` (0 = the starting model)
     rollout_timings: list[dict[str, float]]  # the split layout: each rollout rank's timings of this batch
+    episode_metrics: dict[str, float]  # multi-turn: the episode statistics of the whole batch (episode/...)
 
 
 def evaluation(engine: object, run: LLMRun) -> dict[str, float]:
@@ -431,7 +449,7 @@ def sample_prompts(engine: object, run: LLMRun, step: int
     """This rank's rows of `step` sampled by `engine`, and the seconds it took."""
     args, started = run.args, time.time()
     prompts, examples, seeds = rank_rows(run, step)
-    samples = engine.generate(prompts, seeds, args.max_completion_length, args.temperature, run.eos_ids)
+    samples = run_episodes(engine, run, prompts, examples, seeds, args.max_completion_length, args.temperature)
     return prompts, examples, samples, time.time() - started
 
 
@@ -439,7 +457,7 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
     """This rank's rows of `step` (`sample_prompts`), then the engine sleeps (on CUDA this frees its memory for
     training) and the task scores every completion. Split layout: the same rows, sampled and scored by the rollout
     ranks."""
-    started = time.time()
+    args, started = run.args, time.time()
     version, rollout_timings = step - 1, []
     if isinstance(engine, RemoteRollouts):
         prompts, examples, _ = rank_rows(run, step)
@@ -461,13 +479,17 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
         judged = [pair for payload in payloads for pair in zip(payload["scores"], payload.get(
             "correct", [score >= 1 for score in payload["scores"]]))]
     else:
-        judged = task_scores(run.task.score, examples, texts)
+        judged = score_samples(run.task, examples, samples, texts)
     scores = torch.tensor([float(score) for score, _ in judged])
     correct = torch.tensor([float(right) for _, right in judged])
     timings = {"generate_s": generated - started, "wait_s": gathered - generated, "score_s": time.time() - gathered,
                "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
+    episodes = {}  # multi-turn: turns, tool calls and failures, environment tokens, truncations, per episode
+    if is_multi_turn(run.task):
+        sums = reduce_stats(episode_sums(samples, run.task.environment().event_names))
+        episodes = {name: value / (args.prompts_per_step * args.num_generations) for name, value in sums.items()}
     return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, correct, lengths,
-                   started, seconds, timings, step, version, rollout_timings)
+                   started, seconds, timings, step, version, rollout_timings, episodes)
 
 
 def judge(reward_model: RewardModel | None, rollout: Rollout) -> torch.Tensor:
@@ -501,14 +523,14 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     mine, units_per_rank = parts[run.rank], rows // unit
     # --- move: each rank sends its units to their new ranks, in the order the receiver keeps them
     tokens = [rollout.prompts[r] + rollout.completions[r] for r in range(rows)]
-    floats = [[*rollout.samples[r].logprobs, float(rollout.samples[r].truncated), *per_row[r].tolist()]
-              for r in range(rows)]
+    floats = [[*rollout.samples[r].logprobs, *rollout.samples[r].model_mask(), float(rollout.samples[r].truncated),
+               *per_row[r].tolist()] for r in range(rows)]  # a completion's logprobs and loss mask, then per row
 
     def rows_of(u: int) -> range:
         return range((u % units_per_rank) * unit, (u % units_per_rank + 1) * unit)
 
     def size(u: int, extra: int) -> int:  # a unit's entries in the token or the float stream
-        return int(lengths[u].sum()) if extra < 0 else int(lengths[u, :, 1].sum()) + unit * extra
+        return int(lengths[u].sum()) if extra < 0 else 2 * int(lengths[u, :, 1].sum()) + unit * extra
 
     sent = [[u for u in part if u // units_per_rank == run.rank] for part in parts]
     received = [[u for u in mine if u // units_per_rank == source] for source in range(world)]
@@ -533,10 +555,12 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
         for prompt_length, completion_length in lengths[u].tolist():
             prompts.append(moved[0][t:t + prompt_length])
             completion = moved[0][t + prompt_length:t + prompt_length + completion_length]
-            record = moved[1][f:f + completion_length + extra]
-            samples.append(Sample(completion, record[:completion_length], bool(record[completion_length])))
-            values.append(record[completion_length + 1:])
-            t, f = t + prompt_length + completion_length, f + completion_length + extra
+            record = moved[1][f:f + 2 * completion_length + extra]
+            loss_mask = [int(m) for m in record[completion_length:2 * completion_length]]
+            samples.append(Sample(completion, record[:completion_length], bool(record[2 * completion_length]),
+                                  loss_mask if 0 in loss_mask else None))
+            values.append(record[2 * completion_length + 1:])
+            t, f = t + prompt_length + completion_length, f + 2 * completion_length + extra
     # --- micro-batches: the same count on every rank
     def padded(units: list[int]) -> int:
         block = lengths[units]
@@ -557,7 +581,7 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     pieces = [[i * unit + j for i in piece for j in range(unit)] for piece in unit_pieces]
     balanced = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0), torch.empty(0),
                        rollout.lengths, rollout.started, rollout.seconds, rollout.timings, rollout.step,
-                       rollout.version, rollout.rollout_timings)
+                       rollout.version, rollout.rollout_timings, rollout.episode_metrics)
     return balanced, torch.tensor(values, dtype=per_row.dtype).reshape(len(samples), -1), pieces
 
 
@@ -566,7 +590,8 @@ def micro_batches(rollout: Rollout, pieces: list[list[int] | range], run: LLMRun
     """One TokenBatch per list of rows, on the device, with the engine's logprobs of those rows' tokens. Counts the
     tokens it lays out, real and padded, into the step's timings."""
     batches = [make_batch([rollout.prompts[r] for r in rows], [rollout.samples[r].completion_ids for r in rows],
-                          run.pad_id, run.device, share_prompts, [rollout.samples[r].logprobs for r in rows])
+                          run.pad_id, run.device, share_prompts, [rollout.samples[r].logprobs for r in rows],
+                          [rollout.samples[r].loss_mask for r in rows])
                for rows in pieces]
     counts = rollout.timings
     counts["micro_batches"] = counts.get("micro_batches", 0) + len(batches)
@@ -620,6 +645,7 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
                                "step_s": metrics["perf/step_s"]}, rollout.rollout_timings)
     if not all(math.isfinite(value) for name, value in metrics.items() if name.endswith("loss")):
         fail(f"non-finite loss at step {step}; the last checkpoint is left as it was")
+    metrics.update(rollout.episode_metrics)
     if evaluation_due(step, args.eval_every, args.total_steps):
         metrics.update(evaluation(engine, run))
     tracker.log(step, metrics)

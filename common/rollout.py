@@ -25,10 +25,36 @@ VLLM_NOTICES = ("Triton is installed, but doesn't include CPU backend", "Triton 
 
 
 @dataclass
+class Episode:
+    """What happened in one multi-turn episode (common/episodes.py)."""
+    reward: float  # the sum of the environment's rewards
+    correct: bool
+    turns: int  # model turns
+    env_tokens: int  # environment tokens in the episode (loss mask 0)
+    end: str  # "done" (the environment ended it), "budget" (--max-completion-length), "turns" (--max-turns)
+    events: dict[str, int]  # the environment's counts (tool calls, failures by kind)
+
+
+@dataclass
 class Sample:
-    completion_ids: list[int]
-    logprobs: list[float]  # of each sampled token, under the temperature-scaled distribution
-    truncated: bool  # hit max_tokens before the end-of-sequence token
+    completion_ids: list[int]  # multi-turn: the whole episode after the prompt, model and environment tokens
+    logprobs: list[float]  # of each sampled token, under the temperature-scaled distribution; 0.0 on env tokens
+    truncated: bool  # hit max_tokens before the end-of-sequence token (multi-turn: the episode did not end itself)
+    loss_mask: list[int] | None = None  # multi-turn: 1 on the tokens the model sampled, 0 on the environment's
+    episode: Episode | None = None  # multi-turn: its score, turns and events
+
+    def model_mask(self) -> list[int]:
+        """1 on every token the model sampled (all of them, single-turn), 0 on the environment's."""
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.completion_ids)
+
+    def model_tokens(self) -> int:
+        """The tokens the model sampled: what every loss, token count and normaliser counts."""
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+
+def per_request(max_tokens: int | list[int], count: int) -> list[int]:
+    """Each request's token limit: one for all, or (multi-turn: what is left of each episode's budget) one each."""
+    return [max_tokens] * count if isinstance(max_tokens, int) else list(max_tokens)
 
 
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
@@ -64,20 +90,20 @@ class VLLMEngine:
         # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
         self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
+    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int | list[int], temperature: float,
                  eos_ids: list[int]) -> list[Sample]:
         from vllm import SamplingParams
 
-        requests = list(zip(prompts, seeds))
+        requests = list(zip(prompts, seeds, per_request(max_tokens, len(prompts))))
         if self.tp_group is not None:  # the whole group generates the union, each rank keeps its share
             gathered: list[list] = [None] * self.tp
             dist.all_gather_object(gathered, requests, group=self.tp_group)
             mine = dist.get_rank() % self.tp
             offset = sum(len(part) for part in gathered[:mine])
             requests = [request for part in gathered for request in part]
-        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=0,
-                                 stop_token_ids=list(eos_ids)) for _, seed in requests]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], params, use_tqdm=False)
+        params = [SamplingParams(temperature=temperature, max_tokens=limit, seed=seed, logprobs=0,
+                                 stop_token_ids=list(eos_ids)) for _, seed, limit in requests]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params, use_tqdm=False)
         samples = []
         for output in outputs:
             completion = output.outputs[0]
@@ -123,13 +149,14 @@ class HFEngine:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
+    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int | list[int], temperature: float,
                  eos_ids: list[int]) -> list[Sample]:
+        limits = per_request(max_tokens, len(prompts))
         return [sample for start in range(0, len(prompts), self.batch_size) for sample in self._generate_batch(
-            prompts[start:start + self.batch_size], seeds[start:start + self.batch_size], max_tokens, temperature,
-            eos_ids)]
+            prompts[start:start + self.batch_size], seeds[start:start + self.batch_size],
+            limits[start:start + self.batch_size], temperature, eos_ids)]
 
-    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
+    def _generate_batch(self, prompts: list[list[int]], seeds: list[int], limits: list[int], temperature: float,
                         eos_ids: list[int]) -> list[Sample]:
         from transformers import DynamicCache
 
@@ -140,9 +167,10 @@ class HFEngine:
         cache = DynamicCache()
         tokens = [[] for _ in range(batch)]
         logprobs = [[] for _ in range(batch)]
-        done = [False] * batch
+        done = [limit == 0 for limit in limits]
+        ended = [False] * batch  # by an EOS token
         step_input = input_ids
-        for _ in range(max_tokens):
+        for _ in range(max(limits)):
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1]:]
             logits = self.model(input_ids=step_input, attention_mask=attention_mask, position_ids=position_ids,
                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
@@ -154,12 +182,13 @@ class HFEngine:
                 if not done[row]:
                     tokens[row].append(token)
                     logprobs[row].append(chosen_logprobs[row])
-                    done[row] = token in eos_ids
+                    ended[row] = token in eos_ids
+                    done[row] = ended[row] or len(tokens[row]) == limits[row]
             if all(done):
                 break
             step_input = chosen[:, None]
             attention_mask = torch.cat([attention_mask, torch.ones_like(step_input)], dim=1)
-        return [Sample(t, lp, truncated=not d) for t, lp, d in zip(tokens, logprobs, done)]
+        return [Sample(t, lp, truncated=not e) for t, lp, e in zip(tokens, logprobs, ended)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each tensor in as it arrives; every parameter must be among them."""
@@ -192,16 +221,16 @@ class FakeEngine:
     def __init__(self, vocab_size: int, tau0_s: float, median_length: float, sigma: float) -> None:
         self.vocab_size, self.tau0_s, self.median_length, self.sigma = vocab_size, tau0_s, median_length, sigma
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, temperature: float,
+    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int | list[int], temperature: float,
                  eos_ids: list[int]) -> list[Sample]:
         import numpy as np
 
         tokens = np.setdiff1d(np.arange(self.vocab_size), eos_ids)
         samples = []
-        for seed in seeds:
+        for seed, limit in zip(seeds, per_request(max_tokens, len(prompts))):
             draw = np.random.default_rng(seed)
-            length = int(min(max_tokens, max(1, round(draw.lognormal(math.log(self.median_length), self.sigma)))))
-            truncated = length == max_tokens
+            length = int(min(limit, max(1, round(draw.lognormal(math.log(self.median_length), self.sigma)))))
+            truncated = length == limit
             ids = draw.choice(tokens, size=length if truncated else length - 1).tolist()
             ids += [] if truncated else [eos_ids[0]]
             samples.append(Sample(ids, [-math.log(self.vocab_size)] * len(ids), truncated))

@@ -53,22 +53,32 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
     the task counts correct) and the task's own metrics (eval/<name>, e.g. a lenient accuracy). With --eval-samples
     k, also k completions per prompt sampled at --eval-temperature (seeds from the prompt's and the sample's index
     alone, the same at every evaluation): eval/mean@k (the mean share correct, as papers report AIME's avg@32) and
-    eval/pass@j for j = 2, 4, ... up to k and k itself (the unbiased estimator)."""
+    eval/pass@j for j = 2, 4, ... up to k and k itself (the unbiased estimator). A multi-turn task's episodes run
+    whole (common/episodes.py), and what they count correct is what is averaged."""
+    from common.episodes import run_episodes  # (it scores with this module's functions)
+
     task, test_ids, args = run.task, run.test_ids, run.args
     count = len(test_ids) if num_eval_prompts == 0 else min(num_eval_prompts, len(test_ids))
     indices = list(range(run.rank, count, run.world_size))
-    samples = engine.generate([test_ids[i] for i in indices], [0] * len(indices), max_tokens, 0.0, run.eos_ids)
-    texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
     examples = [run.test[i] for i in indices]
-    sums = {"accuracy": float(sum(task_scores(task.correct, examples, texts)))}
+
+    def correct_of(samples: list, examples: list[Example], texts: list[str]) -> list[bool]:
+        if samples and samples[0].episode is not None:
+            return [sample.episode.correct for sample in samples]
+        return task_scores(task.correct, examples, texts)
+
+    samples = run_episodes(engine, run, [test_ids[i] for i in indices], examples, [0] * len(indices), max_tokens, 0.0)
+    texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
+    sums = {"accuracy": float(sum(correct_of(samples, examples, texts)))}
     sums.update(task_metric_sums(task, run.test[0], examples, texts))
     k = args.eval_samples
     if k:
         prompts = [test_ids[i] for i in indices for _ in range(k)]
         seeds = [sample_seed(args.seed, -1, i, j) for i in indices for j in range(k)]  # step -1: evaluation
-        sampled = engine.generate(prompts, seeds, max_tokens, args.eval_temperature, run.eos_ids)
+        repeated = [run.test[i] for i in indices for _ in range(k)]
+        sampled = run_episodes(engine, run, prompts, repeated, seeds, max_tokens, args.eval_temperature)
         texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in sampled]
-        right = task_scores(task.correct, [run.test[i] for i in indices for _ in range(k)], texts)
+        right = correct_of(sampled, repeated, texts)
         correct = [int(sum(right[p * k:(p + 1) * k])) for p in range(len(indices))]
         sums[f"mean@{k}"] = sum(correct) / k
         powers = {2**e for e in range(1, k.bit_length()) if 2**e < k}  # 2, 4, ... below k

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+
+from common.distributed import init_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small GRPO settings that still exercise every phase (2 ranks x 8 prompts x 4 generations, 2 micro-batches).
@@ -104,3 +107,15 @@ def dropout_model(directory: Path) -> Path:
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(ROOT / "assets" / "tiny-adder").save_pretrained(directory)
     return directory
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A gloo group of one process, as plain `python script.py` creates it (on a fresh port each time)."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so that teardown also removes what init_distributed sets
+        monkeypatch.delenv(name)
+    init_distributed()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import ROOT
 
 import common.batching as batching
@@ -28,7 +27,7 @@ from common.batching import (
 )
 from common.checkpoint import check_resume_args
 from common.determinism import parameter_hash
-from common.distributed import Totals, init_distributed, reduce_stats
+from common.distributed import Totals, reduce_stats
 from common.llm_run import LLMArgs, eos_token_ids, prompts_for_rank
 from common.models import export_pretrained, load_model, stream_weights
 from common.scoring import RewardModel, check_scalar_head, decode_completion, task_scores
@@ -58,18 +57,6 @@ def tiny_model_64(monkeypatch):
 
     monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_64)
     return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float64)
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """A gloo group of one process, as plain `python script.py` creates it (on a fresh port each time)."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(name, "")  # recorded, so that teardown also removes what init_distributed sets
-        monkeypatch.delenv(name)
-    init_distributed()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 PROMPTS = [[3, 4, 12], [5, 12, 6, 7, 13], [8, 13]]

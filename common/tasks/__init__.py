@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.tasks.addition import AdditionTask, addition_examples, addition_operands
-from common.tasks.base import Example, Task, TaskError
+from common.tasks.base import Environment, Example, Task, TaskError
 from common.tasks.countdown import CountdownTask, TinyCountdownTask
 from common.tasks.gsm8k import GSM8KTask, gsm8k_flexible, gsm8k_strict
 from common.tasks.math_answers import DapoMathTask, MathTask
@@ -41,9 +41,9 @@ TASK_HELP = (f"a registered task ({', '.join(TASKS)}); `name:argument` for a loc
              "(`reasoning_gym:basic_arithmetic`); or your own Task class: `path/to/file.py:Class` or "
              "`package.module:Class`")
 
-__all__ = ["TASKS", "TASK_HELP", "AdditionTask", "CountdownTask", "DapoMathTask", "Example", "GSM8KTask", "MathTask",
-           "ReasoningGymTask", "Task", "TaskError", "TinyCountdownTask", "addition_examples", "addition_operands",
-           "check_task_fits", "gsm8k_flexible", "gsm8k_strict", "make_task"]
+__all__ = ["TASKS", "TASK_HELP", "AdditionTask", "CountdownTask", "DapoMathTask", "Environment", "Example",
+           "GSM8KTask", "MathTask", "ReasoningGymTask", "Task", "TaskError", "TinyCountdownTask", "addition_examples",
+           "addition_operands", "check_task_fits", "gsm8k_flexible", "gsm8k_strict", "make_task"]
 
 
 def make_task(spec: str) -> Task:

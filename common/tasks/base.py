@@ -6,6 +6,8 @@ that name the file and the line."""
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +24,45 @@ class Example:
     data: dict[str, Any] = field(default_factory=dict, compare=False)  # structured fields (numbers, level, ...)
 
 
+class Environment:
+    """The other side of a multi-turn episode. The turn loop (common/episodes.py) makes one per episode
+    (`Task.environment`), calls `reset(example)`, then `step(text)` after every model turn with that turn's text
+    (decoded from the sampled ids, its final EOS dropped). `step` returns the reply to append (None: nothing more to
+    say, the episode ends), the turn's reward (the episode's score is the sum) and whether the episode is over.
+    `step` may set `correct` (what the accuracies count; left None, a score of 1 or more is correct) and count what
+    happened in `events` under the names of `event_names` (logged as episode/<name>, the mean per episode)."""
+    event_names: tuple[str, ...] = ()
+    correct: bool | None = None
+    events: Counter
+
+    def reset(self, example: Example) -> None:
+        self.example = example
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        raise NotImplementedError
+
+
 class Task:
     """Subclass it, fill `train` and `test` in `__init__`, and give `reward` (and `correct` when the reward gives
     partial credit). The class attributes are the settings the task needs; the run stops with a message when its
-    arguments cannot meet them."""
+    arguments cannot meet them. A multi-turn task declares `tools` (or returns its own `environment`); a single-turn
+    task does neither."""
     train: list[Example]
     test: list[Example]
     min_completion_length: int = 1  # --max-completion-length below this cannot hold an answer: refused
     chat_template: bool = True  # apply the tokenizer's chat template when it has one
     system_prompt: str | None = None  # a system message before each prompt (as plain text without a template)
+    tools: tuple[Callable[..., str], ...] = ()  # functions the model may call (common/tools.py): typed signatures
+    # and docstrings, from which a chat template writes the tools' description into the prompt
+
+    def environment(self) -> Environment | None:
+        """A fresh environment for one episode; None for a single-turn task. With `tools`, a ToolEnvironment: each
+        model turn either calls a tool (the result is the reply) or answers (scored by `score`, the episode ends)."""
+        if not self.tools:
+            return None
+        from common.tools import ToolEnvironment
+
+        return ToolEnvironment(self)
 
     def reward(self, completion: str, example: Example) -> float:
         """The training signal of one completion (the text after the prompt, the final EOS dropped)."""
@@ -57,7 +89,8 @@ class Task:
         if self.chat_template and getattr(tokenizer, "chat_template", None):
             system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             messages = [*system, {"role": "user", "content": example.prompt}]
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(messages, tools=list(self.tools) or None, tokenize=False,
+                                                 add_generation_prompt=True)
         return f"{self.system_prompt}\n{example.prompt}" if self.system_prompt else example.prompt
 
 

@@ -1,0 +1,184 @@
+"""The turn loop of multi-turn tasks, token in, token out: every rollout (GRPO, PPO, online DPO; colocated or on the
+rollout ranks; training and evaluation) goes through `run_episodes`. A single-turn task (no environment) is one
+engine call, exactly as before.
+
+An episode is one flat list of token ids after the prompt. Each turn, the episodes still running go to the engine
+together, each as `prompt_token_ids` = its prompt + its episode so far, with what is left of its budget
+(`--max-completion-length` counts every turn's model and environment tokens) and its own seed for that turn (derived
+from its sample seed and the turn alone, so no episode depends on its batch-mates). The ids the engine sampled are
+appended unchanged, never decoded and encoded again (a text's re-encoding need not give the ids that were sampled,
+and the loss must see those). The turn's text goes to the environment; its reply is appended as token ids with loss
+mask 0 and logprob 0.0: with a chat template, the template's tokens for a tool message, computed as a difference on a
+fixed base conversation (the episode itself is never re-templated); without one, the reply's plain encoding.
+
+An episode ends when the environment says so (or has no reply), when the model's turn runs out of budget, when the
+reply would leave no room for another model token (the reply is rolled back: the episode ends truncated, by
+"budget"), or after `--max-turns` model turns. An environment that raises or returns the wrong types stops every
+rank with a message (one collective per call, on every rank, whatever the turn counts)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from common.distributed import all_ranks_ok, fail
+from common.rollout import Episode, Sample
+from common.scoring import decode_completion, task_scores
+from common.tasks import Example, Task, TaskError
+
+if TYPE_CHECKING:
+    from common.llm_run import LLMRun
+
+TEMPLATE_BASE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]  # the fixed base
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of an episode's `turn`: its sample seed at turn 0 (a single-turn sample's own), then a
+    63-bit hash of (sample seed, turn)."""
+    if turn == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/turn/{turn}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def is_multi_turn(task: Task) -> bool:
+    return task.environment() is not None
+
+
+def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Callable[[str], list[int]]:
+    """The function from a reply's text to the token ids appended for it. With a chat template: the template of the
+    fixed base plus a tool message (and the next assistant turn's opening), minus the base's tokens up to and including
+    the assistant's end-of-turn id (what the model sampled): the rest, e.g. Qwen2.5's newline after <|im_end|>, is
+    the template's, not the model's, so it opens the reply. Raises TaskError when the template cannot do this."""
+    if not templated:
+        return lambda text: tokenizer(text, add_special_tokens=False).input_ids
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    try:
+        base = encode(tokenizer.apply_chat_template(TEMPLATE_BASE, tokenize=False))
+    except Exception as error:
+        raise TaskError(f"the tokenizer's chat template cannot write an assistant turn: {error!r}") from error
+    ends = [i for i, token in enumerate(base) if token in eos_ids]
+    if not ends:
+        raise TaskError("the chat template does not end the assistant's turn with one of the model's EOS ids "
+                        f"{eos_ids}: a sampled turn would not end where the template's does")
+    cut = ends[-1] + 1
+
+    def reply_ids(text: str) -> list[int]:
+        try:
+            full = encode(tokenizer.apply_chat_template(TEMPLATE_BASE + [{"role": "tool", "content": text}],
+                                                        tokenize=False, add_generation_prompt=True))
+        except Exception as error:
+            raise TaskError(f"the chat template cannot write a tool message: {error!r}") from error
+        if full[:len(base)] != base:
+            raise TaskError("the chat template's tokens for a tool message change the tokens before it: the reply "
+                            "cannot be appended as a token difference")
+        return full[cut:]
+
+    return reply_ids
+
+
+def check_step(result: object) -> tuple[str | None, float, bool]:
+    """An environment's `step` result as (reply, reward, done), or TypeError saying what is wrong."""
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise TypeError(f"step must return (reply text or None, reward, done), got {result!r}")
+    reply, reward, done = result
+    if reply is not None and not isinstance(reply, str):
+        raise TypeError(f"step's reply must be text or None, got {type(reply).__name__}")
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise TypeError(f"step's reward must be a finite number, got {reward!r}")
+    if not isinstance(done, bool):
+        raise TypeError(f"step's done must be a bool, got {done!r}")
+    return reply, float(reward), done
+
+
+def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples: list[Example], seeds: list[int],
+                 max_tokens: int, temperature: float) -> list[Sample]:
+    """One sample per prompt: an engine call for a single-turn task, else whole episodes (the module's docstring).
+    A collective on every rank for a multi-turn task."""
+    task, tokenizer, eos_ids = run.task, run.tokenizer, run.eos_ids
+    if not is_multi_turn(task):  # decided alike on every rank, even one without prompts
+        return engine.generate(prompts, seeds, max_tokens, temperature, eos_ids)
+    environments = [task.environment() for _ in examples]
+    event_names = task.environment().event_names
+    reply_ids = reply_encoder(tokenizer, run.templated, eos_ids)
+    count, problem = len(prompts), None
+    ids: list[list[int]] = [[] for _ in range(count)]
+    logprobs: list[list[float]] = [[] for _ in range(count)]
+    masks: list[list[int]] = [[] for _ in range(count)]
+    rewards, turns, ends = [0.0] * count, [0] * count, ["turns"] * count
+    for environment, example in zip(environments, examples):
+        environment.events, environment.correct = Counter(), None
+        try:
+            environment.reset(example)
+        except Exception as error:
+            problem = problem or f"the task's environment failed in reset on prompt {example.prompt!r}: {error!r}"
+    running = [] if problem else list(range(count))
+    for turn in range(run.args.max_turns):
+        if not running:
+            break
+        sampled = engine.generate([prompts[i] + ids[i] for i in running], [turn_seed(seeds[i], turn) for i in running],
+                                  [max_tokens - len(ids[i]) for i in running], temperature, eos_ids)
+        still = []
+        for i, sample in zip(running, sampled):
+            ids[i] += sample.completion_ids
+            logprobs[i] += sample.logprobs
+            masks[i] += [1] * len(sample.completion_ids)
+            turns[i] += 1
+            text = decode_completion(tokenizer, sample.completion_ids, eos_ids)
+            try:
+                reply, reward, done = check_step(environments[i].step(text))
+                reply_tokens = reply_ids(reply) if reply is not None and not done else []
+            except Exception as error:  # a bug in the task's code: the run stops, with what it was given
+                problem = (f"the task's environment failed at turn {turn + 1} of prompt {examples[i].prompt!r} "
+                           f"with model text {text!r}: {error!r}")
+                break
+            rewards[i] += reward
+            if done or reply is None:
+                ends[i] = "done"
+            elif sample.truncated or len(ids[i]) + len(reply_tokens) >= max_tokens:
+                ends[i] = "budget"  # no room for the reply and another model token: rolled back
+            elif turn + 1 < run.args.max_turns:
+                ids[i] += reply_tokens
+                logprobs[i] += [0.0] * len(reply_tokens)
+                masks[i] += [0] * len(reply_tokens)
+                still.append(i)
+        running = [] if problem else still
+    undeclared = {name for environment in environments for name in environment.events} - set(event_names)
+    if undeclared and problem is None:
+        problem = (f"the task's environment counted events {sorted(undeclared)} that its event_names "
+                   f"{event_names} do not declare")
+    if not all_ranks_ok(problem is None):
+        fail(problem or "the task's environment failed on another rank; its message says why")
+    samples = []
+    for i, environment in enumerate(environments):
+        correct = environment.correct if environment.correct is not None else rewards[i] >= 1
+        episode = Episode(rewards[i], bool(correct), turns[i], masks[i].count(0), ends[i],
+                          {name: environment.events[name] for name in event_names})
+        samples.append(Sample(ids[i], logprobs[i], ends[i] != "done", masks[i], episode))
+    return samples
+
+
+def score_samples(task: Task, examples: list[Example], samples: list[Sample], texts: list[str]
+                  ) -> list[tuple[float, bool]]:
+    """(reward, correct) of every sample: the episode's, or the task's `score` of a single-turn completion."""
+    if samples and samples[0].episode is not None:
+        return [(sample.episode.reward, sample.episode.correct) for sample in samples]
+    return task_scores(task.score, examples, texts)
+
+
+def episode_sums(samples: list[Sample], event_names: tuple[str, ...]) -> dict[str, float]:
+    """This rank's sums of the episode statistics (to be reduced by name and divided by the episode count)."""
+    episodes = [sample.episode for sample in samples]
+    sums = {"episode/turns": sum(e.turns for e in episodes), "episode/env_tokens": sum(e.env_tokens for e in episodes),
+            "episode/model_tokens": sum(sum(sample.model_mask()) for sample in samples),
+            "episode/truncated_budget": sum(e.end == "budget" for e in episodes),
+            "episode/truncated_turns": sum(e.end == "turns" for e in episodes)}
+    sums.update({f"episode/{name}": sum(e.events.get(name, 0) for e in episodes) for name in event_names})
+    if "tool_calls" in event_names:
+        sums["episode/tool_call_rate"] = sum(e.events.get("tool_calls", 0) > 0 for e in episodes)
+    return sums

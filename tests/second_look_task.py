@@ -1,0 +1,38 @@
+"""A two-turn task on the embedded adder, for the multi-turn tests: after the model's first answer the environment
+replies `+0=` (the same sum again); the episode's reward is the addition reward of the first answer, given when the
+second ends it (so both turns' tokens carry its advantage, and the reply's none)."""
+
+from common.tasks import AdditionTask, Environment
+
+
+class SecondLookEnvironment(Environment):
+    event_names = ("second_looks",)
+
+    def __init__(self, task: AdditionTask) -> None:
+        self.task = task
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        if not self.events["second_looks"]:
+            self.events["second_looks"] += 1
+            self.first_reward = self.task.reward(text, self.example)
+            return "+0=", 0.0, False
+        return None, self.first_reward, True
+
+
+class SecondLookTask(AdditionTask):
+    min_completion_length = 11  # two answers of 4 digits and their EOS, and the 3-token reply
+
+    def environment(self) -> Environment:
+        return SecondLookEnvironment(self)
+
+
+class BrokenOnRankOneTask(SecondLookTask):
+    """Its environment raises on rank 1 only: every rank must still stop with the message, none may hang."""
+
+    def environment(self) -> Environment:
+        import os
+
+        environment = SecondLookEnvironment(self)
+        if os.environ.get("RANK") == "1":
+            environment.step = lambda text: 1 / 0
+        return environment

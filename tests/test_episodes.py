@@ -1,0 +1,323 @@
+"""The turn loop (common/episodes.py), the masks every loss reads, GAE over the model's tokens, and the tools
+(common/tools.py), in one process on the embedded model and its `transformers` engine."""
+
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from common.batching import make_batch, token_logprobs
+from common.episodes import reply_encoder, run_episodes, turn_seed
+from common.llm_run import Rollout, balance_tokens
+from common.rollout import HFEngine, Sample
+from common.tasks import AdditionTask, Environment, Example, TaskError
+from common.tools import ToolEnvironment, calculator, describe_tools
+from grpo_llm import aggregate_loss, grpo_token_loss
+from ppo_llm import gae, token_rewards
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "assets" / "tiny-adder"
+
+
+class ScriptedEnvironment(Environment):
+    """Replies `replies[k]` after model turn k + 1, then ends the episode with reward 1 (counting each reply)."""
+    event_names = ("replies",)
+
+    def __init__(self, replies: list[str], fail_at: int | None = None, result: object = None) -> None:
+        self.replies, self.fail_at, self.result = replies, fail_at, result
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        turn = sum(self.events.values())
+        if self.fail_at == turn:
+            raise RuntimeError("the environment's own bug")
+        if self.result is not None:
+            return self.result
+        if turn < len(self.replies):
+            self.events["replies"] += 1
+            return self.replies[turn], 0.0, False
+        return None, 1.0, True
+
+
+class ScriptedTask(AdditionTask):
+    def __init__(self, **environment: object) -> None:
+        super().__init__(num_train=8, num_test=4)
+        self.settings = environment
+
+    def environment(self) -> Environment:
+        return ScriptedEnvironment(**self.settings)
+
+
+@pytest.fixture(scope="module")
+def engine() -> HFEngine:
+    torch.manual_seed(0)
+    return HFEngine(str(TINY), torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> object:
+    return AutoTokenizer.from_pretrained(TINY)
+
+
+def make_run(task: object, tokenizer: object, max_turns: int = 4) -> SimpleNamespace:
+    return SimpleNamespace(task=task, tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id], templated=False,
+                           args=SimpleNamespace(max_turns=max_turns))
+
+
+def prompts_of(tokenizer: object, task: AdditionTask, count: int) -> tuple[list[list[int]], list[Example]]:
+    examples = task.train[:count]
+    return tokenizer([e.prompt for e in examples]).input_ids, examples
+
+
+def test_episodes_hold_the_sampled_ids_and_mask_the_replies(engine, tokenizer):
+    """Two model turns around a reply: the episode is turn 1's sampled ids (as the engine returns them for the
+    turn's seed), the reply's ids (mask 0, logprob 0.0), then turn 2's, sampled from prompt + everything before with
+    the turn's own seed. Decoding the episode and encoding it again loses ids (the EOS that ended turn 1): the loss
+    must see the engine's ids, not a re-tokenisation."""
+    task = ScriptedTask(replies=["+11="])
+    run = make_run(task, tokenizer)
+    prompts, examples = prompts_of(tokenizer, task, 4)
+    seeds = [11, 12, 13, 14]
+    episodes = run_episodes(engine, run, prompts, examples, seeds, 24, 1.0)
+    reply = tokenizer("+11=", add_special_tokens=False).input_ids
+    first = engine.generate(prompts, seeds, 24, 1.0, run.eos_ids)
+    assert all(s.completion_ids[-1] == tokenizer.eos_token_id for s in first)  # the tiny adder ends its answers
+    second = engine.generate([p + s.completion_ids + reply for p, s in zip(prompts, first)],
+                             [turn_seed(seed, 1) for seed in seeds],
+                             [24 - len(s.completion_ids) - len(reply) for s in first], 1.0, run.eos_ids)
+    for episode, turn1, turn2 in zip(episodes, first, second):
+        assert episode.completion_ids == turn1.completion_ids + reply + turn2.completion_ids
+        assert episode.loss_mask == [1] * len(turn1.completion_ids) + [0] * len(reply) + [1] * len(
+            turn2.completion_ids)
+        assert episode.logprobs == turn1.logprobs + [0.0] * len(reply) + turn2.logprobs
+        assert (episode.episode.turns, episode.episode.env_tokens, episode.episode.end) == (2, len(reply), "done")
+        assert episode.episode.reward == 1.0 and episode.episode.correct and not episode.truncated
+        assert episode.episode.events == {"replies": 1}
+        assert episode.model_tokens() == len(turn1.completion_ids) + len(turn2.completion_ids)
+        naive = tokenizer(tokenizer.decode(episode.completion_ids, skip_special_tokens=True),
+                          add_special_tokens=False).input_ids
+        assert naive != episode.completion_ids  # the mid-episode EOS is gone: re-encoding is not what was sampled
+
+
+def test_the_budget_rolls_back_a_reply_that_leaves_no_room(engine, tokenizer):
+    task = ScriptedTask(replies=["+11111111="])
+    run = make_run(task, tokenizer)
+    prompts, examples = prompts_of(tokenizer, task, 2)
+    first = engine.generate(prompts, [1, 2], 12, 1.0, run.eos_ids)
+    episodes = run_episodes(engine, run, prompts, examples, [1, 2], 12, 1.0)
+    for episode, turn1 in zip(episodes, first):  # turn 1 + the 10-token reply would reach the 12-token budget
+        assert episode.completion_ids == turn1.completion_ids and episode.loss_mask == [1] * len(turn1.completion_ids)
+        assert episode.episode.end == "budget" and episode.truncated and episode.episode.reward == 0.0
+
+
+def test_max_turns_ends_an_episode_without_its_last_reply(engine, tokenizer):
+    task = ScriptedTask(replies=["1", "2", "3", "4"])
+    episodes = run_episodes(engine, make_run(task, tokenizer, max_turns=2), *prompts_of(tokenizer, task, 2), [5, 6],
+                            40, 1.0)
+    for episode in episodes:
+        assert (episode.episode.turns, episode.episode.end, episode.episode.env_tokens) == (2, "turns", 1)
+        assert episode.loss_mask[-1] == 1 and episode.truncated  # the second reply was never appended
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(replies=["1"], fail_at=0), "failed at turn 1 of prompt"),
+    (dict(replies=[], result=(7, 0.0, False)), "reply must be text or None, got int"),
+    (dict(replies=[], result=("1", float("nan"), False)), "reward must be a finite number"),
+    (dict(replies=[], result="done"), "must return (reply text or None, reward, done)"),
+])
+def test_an_environment_that_breaks_stops_the_run_with_a_message(engine, tokenizer, capsys, settings, message):
+    task = ScriptedTask(**settings)
+    with pytest.raises(SystemExit) as stopped:
+        run_episodes(engine, make_run(task, tokenizer), *prompts_of(tokenizer, task, 2), [1, 2], 12, 1.0)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def chat_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with Qwen2.5's turn markers as special tokens and the given chat template."""
+    characters = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789_<>/\n "))
+    vocab = {token: i for i, token in enumerate(["<|im_start|>", "<|im_end|>", *characters])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_templated_reply_is_the_template_difference_after_the_sampled_end_of_turn():
+    """The model's turn ends at <|im_end|> (sampled); the template's newline after it and the tool message with the
+    next assistant opening are the environment's tokens."""
+    tokenizer = chat_tokenizer(QWEN_LIKE)
+    ids = reply_encoder(tokenizer, True, [tokenizer.eos_token_id])("42")
+    assert tokenizer.decode(ids) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    no_end = chat_tokenizer("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(TaskError, match="does not end the assistant's turn"):
+        reply_encoder(no_end, True, [no_end.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_the_loss_counts_the_model_tokens_only(model, share_prompts):
+    """A two-turn episode and a single-turn completion in one batch: logprobs are 0.0 on the reply's tokens, and
+    GRPO's token-mean loss equals a hand computation over the model's tokens from a plain forward. Without the mask
+    (the negative control) the reply's tokens enter the loss and its normaliser, and the loss differs."""
+    prompts = [[3, 4, 14, 5, 13], [3, 4, 14, 5, 13]]
+    completions = [[6, 7, 1, 14, 5, 13, 8, 1], [9, 1]]  # episode: model 6 7 <eos>, reply + 2 =, model 8 <eos>
+    masks = [[1, 1, 1, 0, 0, 0, 1, 1], None]
+    old = [[-0.5] * 8, [-0.2] * 2]
+    batch = make_batch(prompts, completions, 0, torch.device("cpu"), share_prompts, old, masks)
+    assert batch.mask.tolist() == [[1, 1, 1, 0, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0, 0]]
+    logprobs = token_logprobs(model, batch, 1.0)
+    assert (logprobs[0, 3:6] == 0).all() and (logprobs[0, [0, 1, 2, 6, 7]] != 0).all()
+    advantages = torch.tensor([[1.5], [-0.5]])
+    per_token = grpo_token_loss(logprobs, batch.rollout_logprobs, torch.ones_like(logprobs), None, advantages, 0.2,
+                                0.28, 0.0)
+    loss = aggregate_loss(per_token, batch.mask, "dapo", 2, 7, 8)
+
+    expected = 0.0  # by hand: every model token's clipped surrogate, over the 7 model tokens
+    for row, (prompt, completion, mask) in enumerate(zip(prompts, completions, batch.mask.tolist())):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+        for j, token in enumerate(completion):
+            if mask[j]:
+                ratio = torch.exp(log_probs[len(prompt) + j - 1, token] - old[row][j])
+                a = float(advantages[row])
+                expected += -min(ratio * a, ratio.clamp(0.8, 1.28) * a) / 7
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+
+    unmasked = make_batch(prompts, completions, 0, torch.device("cpu"), share_prompts, old)
+    control = aggregate_loss(grpo_token_loss(token_logprobs(model, unmasked, 1.0), unmasked.rollout_logprobs,
+                                             torch.ones_like(logprobs), None, advantages, 0.2, 0.28, 0.0),
+                             unmasked.mask, "dapo", 2, 10, 8)
+    assert abs(float(control.detach()) - float(loss.detach())) > 1e-3
+
+
+def test_gae_skips_the_environment_tokens_by_hand():
+    """Mask 1 1 0 0 1 (a reply of two tokens between the model's turns): the model's three tokens are GAE's three
+    steps, the reply's get no advantage, and the score lands on the last model token."""
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 0]])  # and one padding column
+    values = torch.tensor([[0.5, 0.25, 9.0, 9.0, 0.75, 9.0]])
+    rewards = token_rewards(torch.tensor([2.0]), torch.zeros_like(mask), mask, 0.1)
+    assert rewards.tolist() == [[0, 0, 0, 0, 2.0, 0]]
+    gamma, lam = 0.9, 0.8
+    v, r = [0.5, 0.25, 0.75], [0.0, 0.0, 2.0]  # the compacted model steps
+    deltas = [r[t] + gamma * (v[t + 1] if t < 2 else 0.0) - v[t] for t in range(3)]
+    a2 = deltas[2]
+    a1 = deltas[1] + gamma * lam * a2
+    a0 = deltas[0] + gamma * lam * a1
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    assert advantages[0].tolist() == pytest.approx([a0, a1, 0, 0, a2, 0])
+    assert returns[0].tolist() == pytest.approx([a0 + 0.5, a1 + 0.25, 0, 0, a2 + 0.75, 0])
+    single = gae(rewards, values, torch.ones_like(mask), gamma, lam)[0]  # the negative control: replies as steps
+    assert single[0, 0] != pytest.approx(a0)
+
+
+def test_balancing_carries_the_loss_masks(world_of_one):
+    samples = [Sample([5, 6, 7, 8], [-0.1, -0.2, 0.0, -0.3], False, [1, 1, 0, 1]), Sample([9, 1], [-0.4, -0.5], True)]
+    rollout = Rollout([[3, 4], [3, 4]], [], samples, [s.completion_ids for s in samples], [], torch.zeros(2),
+                      torch.zeros(2), torch.tensor([[[2, 4], [2, 2]]]), 0.0, 0.0, {}, 1, 0, [], {})
+    run = SimpleNamespace(rank=0, device=torch.device("cpu"))
+    moved, values, _ = balance_tokens(rollout, run, torch.tensor([[1.0], [2.0]]), 1, 8, 0)
+    by_ids = {tuple(s.completion_ids): s for s in moved.samples}
+    assert by_ids[(5, 6, 7, 8)].loss_mask == [1, 1, 0, 1] and by_ids[(9, 1)].loss_mask is None
+    assert by_ids[(9, 1)].truncated and by_ids[(5, 6, 7, 8)].logprobs == pytest.approx([-0.1, -0.2, 0.0, -0.3])
+
+
+class Tools(AdditionTask):
+    def __init__(self, tools: tuple) -> None:
+        super().__init__(num_train=1, num_test=1)
+        self.tools = tools
+
+
+def hangs(seconds: str) -> str:
+    """Sleep.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(float(seconds))
+    return "woke"
+
+
+def raises(x: str) -> str:
+    """Fail.
+
+    Args:
+        x: anything
+    """
+    raise ValueError("no")
+
+
+def not_text(x: str) -> str:
+    """Return a number.
+
+    Args:
+        x: anything
+    """
+    return 5
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+
+
+def test_a_tool_that_fails_gives_a_reply_and_a_count():
+    task = Tools((calculator, hangs, raises, not_text))
+    environment = ToolEnvironment(task)
+    environment.time_limit_s = 0.3
+    environment.events = Counter()
+    environment.reset(task.train[0])
+    cases = [(call("calculator", '{"expression": "(12+3)*45/6"}'), "225/2", None),
+             (call("calculator", '{"expression": "__import__(\\"os\\")"}'), "error: not an arithmetic", None),
+             (call("hangs", '{"seconds": "60"}'), "ran past its 0.3 s limit", "failed_timeout"),
+             (call("raises", '{"x": "1"}'), "raises raised ValueError: no", "failed_error"),
+             (call("not_text", '{"x": "1"}'), "returned int, not text", "failed_non_text"),
+             (call("nothing", "{}"), "no tool 'nothing'", "failed_unknown_tool"),
+             (call("calculator", '{"expr": "1"}'), "calculator: missing a required argument", "failed_bad_arguments"),
+             ("<tool_call>{not json</tool_call>", "not JSON", "failed_malformed")]
+    for text, reply, failure in cases:
+        started = time.time()
+        answer, reward, done = environment.step(text)
+        assert reply in answer and reward == 0.0 and not done, (text, answer)
+        assert time.time() - started < 2
+        assert failure is None or environment.events[failure] == 1
+    assert environment.events["tool_calls"] == len(cases)
+    assert environment.step(task.train[0].answer)[1:] == (1.0, True) and environment.correct  # an answer: scored
+    assert "calculator(expression: str): Evaluate an arithmetic expression exactly." in describe_tools(task.tools)
+
+
+def test_model_written_code_runs_in_the_sandbox_and_the_episode_goes_on():
+    """The python tool through the environment, as a model would call it: an infinite loop ends at the sandbox's
+    CPU limit with a reply that says so (not the environment's own timer), and the next call still runs."""
+    from common.sandbox import SANDBOX, python
+
+    if SANDBOX.isolation_problem():
+        pytest.skip(SANDBOX.isolation_problem())
+    task = Tools((python,))
+    environment = ToolEnvironment(task)
+    environment.events = Counter()
+    environment.reset(task.train[0])
+    limits = (SANDBOX.cpu_seconds, SANDBOX.wall_seconds)
+    SANDBOX.cpu_seconds, SANDBOX.wall_seconds = 1, 3
+    try:
+        started = time.time()
+        reply, _, done = environment.step(call("python", '{"code": "while True: pass"}'))
+        assert "[timeout: CPU limit of 1 s]" in reply and not done and time.time() - started < 3
+        reply, _, _ = environment.step(call("python", '{"code": "print(6*7)"}'))
+        assert reply.strip() == "42"
+    finally:
+        SANDBOX.cpu_seconds, SANDBOX.wall_seconds = limits
+    assert environment.events["tool_calls"] == 2 and environment.events["failed_timeout"] == 0
