@@ -23,18 +23,28 @@ from common.tasks.gsm8k import GSM8KTask, gsm8k_flexible, gsm8k_strict
 from common.tasks.math_answers import DapoMathTask, MathTask
 from common.tasks.reasoning_gym_tasks import ReasoningGymTask
 
+
+def tiny_calculator(tool: str = "") -> Task:
+    """TinyCalculatorTask (`calculator_tiny:off`: without its tool), imported on first use: its environment
+    subclasses common/tools.py's, and common/tools.py imports this package."""
+    from common.tasks.calculator_tiny import TinyCalculatorTask
+
+    return TinyCalculatorTask(tool)
+
+
 # name -> the task's class; `name:argument` passes the argument (a local copy, a dataset name) to its constructor
 TASKS: dict[str, Callable[..., Task]] = {
     "addition": AdditionTask,
     "countdown": CountdownTask,
     "countdown_tiny": TinyCountdownTask,
+    "calculator_tiny": tiny_calculator,
     "gsm8k": GSM8KTask,
     "math": MathTask,
     "dapo_math": DapoMathTask,
     "reasoning_gym": ReasoningGymTask,
 }
-TAKES_ARGUMENT = {"countdown": "optional", "gsm8k": "optional", "math": "optional", "dapo_math": "optional",
-                  "reasoning_gym": "required"}
+TAKES_ARGUMENT = {"calculator_tiny": "optional", "countdown": "optional", "gsm8k": "optional", "math": "optional",
+                  "dapo_math": "optional", "reasoning_gym": "required"}
 
 TASK_HELP = (f"a registered task ({', '.join(TASKS)}); `name:argument` for a local copy of a hub task "
              "(`gsm8k:path/folder` or `gsm8k:path/gsm8k_{split}.jsonl`) or a reasoning-gym dataset "
