@@ -136,7 +136,7 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
                 on_forward(reference)
                 token_logprobs(reference, batch, 1.0)
     for batch in batches:
-        rows, num_tokens = batch.mask.shape[0], float(batch.mask.shape[0] * batch.mask.shape[1])
+        rows, num_tokens = batch.mask.shape[0], float(batch.mask.sum())  # the model's tokens
         if script == "dpo":
             on_forward(reference)
             with torch.no_grad():
@@ -183,8 +183,13 @@ def measure(config: object, script: str, workload: dict, args: LLMArgs, fake: bo
     prompt = torch.randint(3, vocabulary, (workload["prompt"],), generator=generator).tolist()
     completion = torch.randint(3, vocabulary, (workload["completion"],), generator=generator).tolist()
     rows = workload["micro_batch"]
+    # multi-turn (--env-token-fraction f): the middle f of each completion is environment tokens, attended to (the
+    # activations count every token) but with loss mask 0, so the float32 head runs on the model's rows only
+    env = round(workload.get("env_fraction", 0.0) * len(completion))
+    first = (len(completion) - env) // 2
+    loss_mask = [1] * first + [0] * env + [1] * (len(completion) - env - first) if env else None
     batch = make_batch([prompt] * rows, [completion] * rows, 0, torch.device("cpu"),
-                       rollout_logprobs=[[-1.0] * len(completion)] * rows)
+                       rollout_logprobs=[[-1.0] * len(completion)] * rows, loss_masks=[loss_mask] * rows)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if attention is not None:
         torch.nn.functional.scaled_dot_product_attention = attention
@@ -237,7 +242,8 @@ def gib(size: float) -> str:
     return f"{size / GIB:.2f}"
 
 
-def table(model_names: list[str], scripts: list[str], world_sizes: list[int], out: Path) -> None:
+def table(model_names: list[str], scripts: list[str], world_sizes: list[int], out: Path, env_fraction: float = 0.0
+          ) -> None:
     rows = []
     for model_name in model_names:
         config = qwen_config(model_name)
@@ -248,7 +254,8 @@ def table(model_names: list[str], scripts: list[str], world_sizes: list[int], ou
                     args = LLMArgs(dtype="bfloat16", reshard_after_forward=True,
                                    gradient_checkpointing=checkpointing)
                     started = time.time()
-                    peak = measure(config, script, WORKLOADS[script], args, fake=True, attention=gpu_attention)
+                    peak = measure(config, script, {**WORKLOADS[script], "env_fraction": env_fraction}, args,
+                                   fake=True, attention=gpu_attention)
                     rows.append({"model": model_name, "script": script, "world_size": world_size,
                                  "gradient_checkpointing": checkpointing, **peak,
                                  "seconds": round(time.time() - started, 1)})
@@ -333,9 +340,11 @@ if __name__ == "__main__":
     parser.add_argument("--validate", nargs="*", choices=list(VALIDATION_MODELS),
                         help="the estimate against the same real step on CPU, for these models (default: both)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory_estimate")
+    parser.add_argument("--env-token-fraction", type=float, default=0.0,
+                        help="multi-turn: the share of each completion that is environment tokens (loss mask 0)")
     options = parser.parse_args()
     torch.manual_seed(0)
     if options.validate is not None:
         validate(options.validate or list(VALIDATION_MODELS), options.scripts, options.out)
     else:
-        table(options.models, options.scripts, options.world_sizes, options.out)
+        table(options.models, options.scripts, options.world_sizes, options.out, options.env_token_fraction)

@@ -71,6 +71,9 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
     texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
     sums = {"accuracy": float(sum(correct_of(samples, examples, texts)))}
     sums.update(task_metric_sums(task, run.test[0], examples, texts))
+    if "tool_calls" in getattr(task.environment(), "event_names", ()):  # the same names on every rank
+        sums["tool_call_rate"] = float(sum(s.episode.events["tool_calls"] > 0 for s in samples))
+        sums["turns"] = float(sum(s.episode.turns for s in samples))
     k = args.eval_samples
     if k:
         prompts = [test_ids[i] for i in indices for _ in range(k)]

@@ -321,3 +321,29 @@ def test_model_written_code_runs_in_the_sandbox_and_the_episode_goes_on():
     finally:
         SANDBOX.cpu_seconds, SANDBOX.wall_seconds = limits
     assert environment.events["tool_calls"] == 2 and environment.events["failed_timeout"] == 0
+
+
+def test_a_budget_below_one_episode_is_refused_before_any_engine(tokenizer):
+    from second_look_task import SecondLookTask
+
+    from common.tasks import check_task_fits
+
+    task = SecondLookTask()
+    with pytest.raises(TaskError, match="needs completions of at least 11 tokens"):
+        check_task_fits(task, "second_look", tokenizer, "tiny", [task.train[0].prompt],
+                        [tokenizer(task.train[0].prompt).input_ids], 8)
+
+
+def test_the_readme_tool_task_loads_and_calls_its_tools(tmp_path: Path):
+    """README's "Multi-turn episodes and tools" block, saved as a user would: its tools run through the environment."""
+    from common.tasks import make_task
+
+    section = (ROOT / "README.md").read_text().split("## Multi-turn episodes and tools", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "calc_sums.py").write_text(code)
+    task = make_task(f"{tmp_path / 'calc_sums.py'}:CalcSums")
+    environment = task.environment()
+    environment.events = Counter()
+    environment.reset(task.train[0])
+    assert environment.step(call("calculator", '{"expression": "6*7"}'))[0] == "42"
+    assert environment.step("no call")[1:] == (0.0, True) and environment.events["tool_calls"] == 1

@@ -293,6 +293,7 @@ def test_world_size_1_and_2_agree_on_the_same_global_batch(grpo_reference_run: P
     ({"num_iterations": 0}, "--num-iterations must be positive"),
     ({"eval_every": -1}, "must be non-negative"),
     ({"eval_samples": 4, "eval_temperature": 0.0}, "--eval-temperature must be positive with --eval-samples"),
+    ({"max_turns": 0}, "--max-turns must be positive"),
 ])
 def test_check_args_rejects_bad_input(changes: dict, message: str, capsys):
     """The checks that need no model or data run in check_args, on every rank, before the process group exists; the
