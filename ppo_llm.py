@@ -179,7 +179,7 @@ def predicted_values(value_model: torch.nn.Module, batch: object) -> torch.Tenso
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
     """Ziegler et al. eq. 2 / Ouyang et al. eq. 2, per token: r_t = -beta * log(pi_old / pi_ref)_t, plus the
-    completion's score at its last token (the model's last: a multi-turn episode may end in environment tokens).
+    completion's score at its last token: the model's last (a multi-turn episode's reply tokens are mask 0).
     kl: [B, C] per-token k1 estimates (0 on padding); scores: [B]."""
     rewards = -beta * kl
     columns = torch.arange(mask.shape[1], device=mask.device)

@@ -136,7 +136,7 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
                 on_forward(reference)
                 token_logprobs(reference, batch, 1.0)
     for batch in batches:
-        rows, num_tokens = batch.mask.shape[0], float(batch.mask.sum())  # the model's tokens
+        rows, num_tokens = batch.mask.shape[0], float(batch.head_rows.numel())  # the model's tokens (a shape)
         if script == "dpo":
             on_forward(reference)
             with torch.no_grad():

@@ -24,6 +24,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
+
 from common.distributed import all_ranks_ok, fail
 from common.rollout import Episode, Sample
 from common.scoring import decode_completion, task_scores
@@ -110,7 +112,7 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
     ids: list[list[int]] = [[] for _ in range(count)]
     logprobs: list[list[float]] = [[] for _ in range(count)]
     masks: list[list[int]] = [[] for _ in range(count)]
-    rewards, turns, ends = [0.0] * count, [0] * count, ["turns"] * count
+    rewards, turns, ends, cut = [0.0] * count, [0] * count, ["turns"] * count, [False] * count
     for environment, example in zip(environments, examples):
         environment.events, environment.correct = Counter(), None
         try:
@@ -118,9 +120,15 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
         except Exception as error:
             problem = problem or f"the task's environment failed in reset on prompt {example.prompt!r}: {error!r}"
     running = [] if problem else list(range(count))
-    for turn in range(run.args.max_turns):
-        if not running:
+    group = getattr(engine, "tp_group", None)  # a tensor-parallel group generates together: each engine call is
+    for turn in range(run.args.max_turns):  # its collective, so it goes on while any member has episodes running
+        if group is None and not running:
             break
+        if group is not None:
+            members = [None] * dist.get_world_size(group)
+            dist.all_gather_object(members, bool(running), group=group)
+            if not any(members):
+                break
         sampled = engine.generate([prompts[i] + ids[i] for i in running], [turn_seed(seeds[i], turn) for i in running],
                                   [max_tokens - len(ids[i]) for i in running], temperature, eos_ids)
         still = []
@@ -129,6 +137,7 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
             logprobs[i] += sample.logprobs
             masks[i] += [1] * len(sample.completion_ids)
             turns[i] += 1
+            cut[i] = sample.truncated  # the model's turn hit the budget before its EOS
             text = decode_completion(tokenizer, sample.completion_ids, eos_ids)
             try:
                 reply, reward, done = check_step(environments[i].step(text))
@@ -138,10 +147,10 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
                            f"with model text {text!r}: {error!r}")
                 break
             rewards[i] += reward
-            if done or reply is None:
+            if sample.truncated or (not done and reply is not None and len(ids[i]) + len(reply_tokens) >= max_tokens):
+                ends[i] = "budget"  # cut, or no room for the reply and another model token: the reply rolled back
+            elif done or reply is None:
                 ends[i] = "done"
-            elif sample.truncated or len(ids[i]) + len(reply_tokens) >= max_tokens:
-                ends[i] = "budget"  # no room for the reply and another model token: rolled back
             elif turn + 1 < run.args.max_turns:
                 ids[i] += reply_tokens
                 logprobs[i] += [0.0] * len(reply_tokens)
@@ -159,14 +168,15 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
         correct = environment.correct if environment.correct is not None else rewards[i] >= 1
         episode = Episode(rewards[i], bool(correct), turns[i], masks[i].count(0), ends[i],
                           {name: environment.events[name] for name in event_names})
-        samples.append(Sample(ids[i], logprobs[i], ends[i] != "done", masks[i], episode))
+        samples.append(Sample(ids[i], logprobs[i], cut[i], masks[i], episode))
     return samples
 
 
 def score_samples(task: Task, examples: list[Example], samples: list[Sample], texts: list[str]
                   ) -> list[tuple[float, bool]]:
-    """(reward, correct) of every sample: the episode's, or the task's `score` of a single-turn completion."""
-    if samples and samples[0].episode is not None:
+    """(reward, correct) of every sample: the episode's, or the task's `score` of a single-turn completion (a
+    collective: decided by the task, alike on every rank)."""
+    if is_multi_turn(task):
         return [(sample.episode.reward, sample.episode.correct) for sample in samples]
     return task_scores(task.score, examples, texts)
 

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -125,7 +125,7 @@ class LLMArgs:
 # and transformers draw other samples).
 MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "eval_every",
                         "num_eval_prompts", "eval_samples", "eval_temperature", "save_every", "keep_last",
-                        "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization")
+                        "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization", "allow_unisolated_tools")
 
 
 def check_llm_args(args: LLMArgs, world_size: int) -> None:
@@ -259,7 +259,13 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     if not all_ranks_ok(problem is None):
         fail(problem or "another rank cannot format the task's prompts; its message says why")
     eos_ids = eos_token_ids(args.model_name_or_path, tokenizer)
-    if is_multi_turn(task):  # before any engine: the replies can be encoded, the sandboxed tools can be isolated
+    try:
+        multi_turn = is_multi_turn(task)
+    except Exception as error:  # a user's environment() that cannot start
+        multi_turn, problem = False, f"task {args.task!r}: its environment() failed: {error!r}"
+    if not all_ranks_ok(problem is None):
+        fail(problem or "another rank cannot make the task's environment; its message says why")
+    if multi_turn:  # before any engine: the replies can be encoded, the sandboxed tools can be isolated
         hidden = [args.run_root] + ([args.resume] if args.resume else [])  # from code the model writes
         problem = check_tools(task, args.allow_unisolated_tools, hidden)
         try:
@@ -421,7 +427,7 @@ class Rollout:
     step: int
     version: int  # the weights that sampled it: after update `version` (0 = the starting model)
     rollout_timings: list[dict[str, float]]  # the split layout: each rollout rank's timings of this batch
-    episode_metrics: dict[str, float]  # multi-turn: the episode statistics of the whole batch (episode/...)
+    episode_metrics: dict[str, float] = field(default_factory=dict)  # multi-turn: the batch's episode/... metrics
 
 
 def evaluation(engine: object, run: LLMRun) -> dict[str, float]:

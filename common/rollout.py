@@ -31,7 +31,8 @@ class Episode:
     correct: bool
     turns: int  # model turns
     env_tokens: int  # environment tokens in the episode (loss mask 0)
-    end: str  # "done" (the environment ended it), "budget" (--max-completion-length), "turns" (--max-turns)
+    end: str  # "done" (the environment ended it), "budget" (a turn cut or a reply rolled back by
+    # --max-completion-length), "turns" (--max-turns)
     events: dict[str, int]  # the environment's counts (tool calls, failures by kind)
 
 
@@ -39,7 +40,7 @@ class Episode:
 class Sample:
     completion_ids: list[int]  # multi-turn: the whole episode after the prompt, model and environment tokens
     logprobs: list[float]  # of each sampled token, under the temperature-scaled distribution; 0.0 on env tokens
-    truncated: bool  # hit max_tokens before the end-of-sequence token (multi-turn: the episode did not end itself)
+    truncated: bool  # hit max_tokens before the end-of-sequence token (multi-turn: the episode's last model turn)
     loss_mask: list[int] | None = None  # multi-turn: 1 on the tokens the model sampled, 0 on the environment's
     episode: Episode | None = None  # multi-turn: its score, turns and events
 

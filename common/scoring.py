@@ -55,15 +55,17 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
     alone, the same at every evaluation): eval/mean@k (the mean share correct, as papers report AIME's avg@32) and
     eval/pass@j for j = 2, 4, ... up to k and k itself (the unbiased estimator). A multi-turn task's episodes run
     whole (common/episodes.py), and what they count correct is what is averaged."""
-    from common.episodes import run_episodes  # (it scores with this module's functions)
+    from common.episodes import is_multi_turn, run_episodes  # (it scores with this module's functions)
 
     task, test_ids, args = run.task, run.test_ids, run.args
     count = len(test_ids) if num_eval_prompts == 0 else min(num_eval_prompts, len(test_ids))
     indices = list(range(run.rank, count, run.world_size))
     examples = [run.test[i] for i in indices]
 
+    multi_turn = is_multi_turn(task)  # decided alike on every rank, even one without prompts
+
     def correct_of(samples: list, examples: list[Example], texts: list[str]) -> list[bool]:
-        if samples and samples[0].episode is not None:
+        if multi_turn:
             return [sample.episode.correct for sample in samples]
         return task_scores(task.correct, examples, texts)
 
@@ -71,9 +73,10 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
     texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
     sums = {"accuracy": float(sum(correct_of(samples, examples, texts)))}
     sums.update(task_metric_sums(task, run.test[0], examples, texts))
-    if "tool_calls" in getattr(task.environment(), "event_names", ()):  # the same names on every rank
-        sums["tool_call_rate"] = float(sum(s.episode.events["tool_calls"] > 0 for s in samples))
+    if multi_turn:  # the same names on every rank
         sums["turns"] = float(sum(s.episode.turns for s in samples))
+        if "tool_calls" in task.environment().event_names:
+            sums["tool_call_rate"] = float(sum(s.episode.events["tool_calls"] > 0 for s in samples))
     k = args.eval_samples
     if k:
         prompts = [test_ids[i] for i in indices for _ in range(k)]

@@ -3,7 +3,8 @@ with a typed signature and a docstring (Google style, an `Args:` section), retur
 templates turn those into the tool description of the prompt (`get_json_schema`), and `describe_tools` writes the
 same as plain text for a prompt without a template. A model turn calls one tool in the Hermes / Qwen2.5 format,
 `<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>`, and the reply is the tool's
-text; a task with another call syntax overrides `ToolEnvironment.parse_call` and `format_reply`.
+text; a task with another call syntax overrides `ToolEnvironment.parse_call` and `format_reply`. A task without a
+chat template writes its own prompt: `describe_tools` gives it the tools' description.
 
 A tool call never stops the run: a malformed call, an unknown tool, wrong arguments, a raise, a non-text result or a
 call past its time limit each become a reply that says what happened, counted as episode/failed_<kind>. The time
@@ -36,7 +37,8 @@ def calculator(expression: str) -> str:
     """
     parsed = parse_expression(expression)  # a small grammar over exact fractions: no eval
     if parsed is None:
-        return f"error: not an arithmetic expression of integers, + - * / and parentheses: {expression!r}"
+        return ("error: not an arithmetic expression of integers, + - * / and parentheses, or it divides by zero: "
+                f"{expression!r}")
     value = parsed[0]
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
@@ -95,8 +97,9 @@ class ToolEnvironment(Environment):
     def step(self, text: str) -> tuple[str | None, float, bool]:
         call = self.parse_call(text)
         if call is None:
-            reward, self.correct = self.task.score(text, self.example)
-            return None, reward, True
+            reward, correct = self.task.score(text, self.example)
+            self.correct = bool(correct)
+            return None, float(reward), True
         self.events["tool_calls"] += 1
         return self.format_reply(self.call(call)), 0.0, False
 

@@ -8,9 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-
-from common.distributed import init_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small GRPO settings that still exercise every phase (2 ranks x 8 prompts x 4 generations, 2 micro-batches).
@@ -112,6 +109,10 @@ def dropout_model(directory: Path) -> Path:
 @pytest.fixture
 def world_of_one(monkeypatch):
     """A gloo group of one process, as plain `python script.py` creates it (on a fresh port each time)."""
+    import torch.distributed as dist  # here: some tests run as scripts (tests/ first on the path, not the repo)
+
+    from common.distributed import init_distributed
+
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "")  # recorded, so that teardown also removes what init_distributed sets
         monkeypatch.delenv(name)

@@ -36,3 +36,16 @@ class BrokenOnRankOneTask(SecondLookTask):
         if os.environ.get("RANK") == "1":
             environment.step = lambda text: 1 / 0
         return environment
+
+
+class UnevenTurnsTask(SecondLookTask):
+    """Rank 1's episodes end after one turn (no second look), rank 0's after two: the ranks' episodes end at other
+    turns, as real ones do."""
+
+    def environment(self) -> Environment:
+        import os
+
+        environment = SecondLookEnvironment(self)
+        if os.environ.get("RANK") == "1":
+            environment.step = lambda text: (None, self.reward(text, environment.example), True)
+        return environment

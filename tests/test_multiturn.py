@@ -35,11 +35,14 @@ def test_grpo_episodes_are_bitwise_twice_and_resume_exactly(tmp_path: Path):
 
 
 def test_ppo_and_dpo_train_on_episodes(tmp_path: Path):
+    """PPO with one vLLM engine over both ranks (--vllm-tp 2): the ranks' episodes end at other turns, and the group
+    generates together until both are done (a rank that stopped calling would leave the other waiting)."""
     short = [*MULTI_TURN[:-8], "--total-steps", "2", "--eval-every", "2"]
-    for script in ("ppo_llm.py", "dpo_online.py"):
-        check(run_script(script, [*short, "--run-root", str(tmp_path / script)], nproc=2))
+    uneven = ["--task", "tests/second_look_task.py:UnevenTurnsTask", "--vllm-tp", "2"]
+    for script, extra, env_tokens in (("ppo_llm.py", uneven, 1.5), ("dpo_online.py", [], 3.0)):
+        check(run_script(script, [*short, *extra, "--run-root", str(tmp_path / script)], nproc=2))
         steps = [m for m in read_metrics(only_run_dir(tmp_path / script)) if m["step"]]
-        assert [m["episode/env_tokens"] for m in steps] == [3.0, 3.0]
+        assert [m["episode/env_tokens"] for m in steps] == [env_tokens] * 2  # PPO: half the episodes had no reply
         assert steps[-1]["train/completion_length"] == steps[-1]["episode/model_tokens"]
 
 

@@ -89,8 +89,8 @@ class Task:
         if self.chat_template and getattr(tokenizer, "chat_template", None):
             system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             messages = [*system, {"role": "user", "content": example.prompt}]
-            return tokenizer.apply_chat_template(messages, tools=list(self.tools) or None, tokenize=False,
-                                                 add_generation_prompt=True)
+            tools = {"tools": list(self.tools)} if self.tools else {}  # the template describes them
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools)
         return f"{self.system_prompt}\n{example.prompt}" if self.system_prompt else example.prompt
 
 
