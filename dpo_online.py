@@ -69,6 +69,8 @@ class Args(LLMArgs):
 def check_args(args: Args, world_size: int) -> None:
     """Reject bad input on every rank, before any collective can hang (the shared checks, then online DPO's own)."""
     check_llm_args(args, world_size)
+    if args.dynamic_sampling_rounds:
+        fail("--dynamic-sampling-rounds is GRPO's (grpo_llm.py): online DPO is not tested with it yet")
     if args.num_generations < 2:
         fail(f"--num-generations must be at least 2 to form a (chosen, rejected) pair, got {args.num_generations}")
     if not args.beta > 0:

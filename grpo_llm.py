@@ -1,14 +1,16 @@
 """GRPO: Group Relative Policy Optimization for LLMs with verifiable rewards, on an embedded vLLM engine.
 
 Paper: Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
-arXiv:2402.03300 (GRPO, section 4). Options from DAPO (Yu et al., arXiv:2503.14476: clip-higher, token-level loss) and
-Dr. GRPO (Liu et al., arXiv:2503.20783: no length or std normalisation).
+arXiv:2402.03300 (GRPO, section 4). Options, each a small function below chosen in one place: DAPO's clip-higher,
+token-level loss, dynamic sampling and overlong shaping (arXiv:2503.14476), Dr. GRPO's normalisation (arXiv:2503.20783),
+GSPO's sequence ratio (arXiv:2507.18071), CISPO (arXiv:2506.13585), RLOO and REINFORCE++ advantages.
 
-What it is, in plain words: with the default `--num-iterations 1` the policy that sampled is the policy being
-updated, so the clipped ratio is 1 and GRPO is token-level REINFORCE with group-normalised advantages (each
-completion's score minus its group's mean, over the group's std). The clip matters only with `--num-iterations` > 1.
-The one correction that always acts is truncated importance sampling (TIS): the rollout engine's probabilities differ
-slightly from the trainer's (other kernels), and each token is reweighted by min(pi_old / pi_rollout, cap).
+What it is, in plain words: with the defaults (`--num-iterations 1`, `--num-minibatches 1`) the policy that sampled
+is the policy being updated, so the ratio is 1 and GRPO is token-level REINFORCE with group-normalised advantages
+(each completion's score minus its group's mean, over the group's std). The clip (and GSPO's and CISPO's ratio)
+matters only with more than one update per batch: mu passes over k minibatches. The one correction that always acts
+is truncated importance sampling (TIS): the rollout engine's probabilities differ slightly from the trainer's (other
+kernels), and each token is reweighted by min(pi_old / pi_rollout, cap).
 
 Each torchrun rank holds one vLLM engine for rollouts and one FSDP2 shard of the policy for training; after every
 update the weights stream into the engine. Same arguments + same machine + same world size = same bits. With
@@ -58,10 +60,17 @@ class Args(LLMArgs):
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     """grpo: mean over each sequence, then over sequences; dapo: mean over all tokens of the batch;
     dr_grpo: sum over tokens divided by (sequences x max_completion_length)"""
+    advantage: Literal["group", "rloo", "reinforce_pp"] = "group"
+    """group: GRPO's (score - group mean, scaled by --scale-advantages); rloo: score - the mean of the group's
+    other G - 1; reinforce_pp: REINFORCE++'s group mean baseline, normalised over the batch"""
     scale_advantages: Annotated[Literal["group", "batch", "none"], tyro.conf.arg(aliases=("--scale-rewards",))] = \
         "group"
-    """divide advantages by the std of the group's scores, of the batch's, or not at all (Dr. GRPO); TRL's
+    """--advantage group: divide by the std of the group's scores, of the batch's, or not at all (Dr. GRPO); TRL's
     --scale-rewards"""
+    policy_loss: Literal["clip", "cispo"] = "clip"
+    """clip: PPO's clipped surrogate; cispo: REINFORCE weighted by the clipped ratio (clipped tokens keep gradient)"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: pi / pi_old per token; sequence: GSPO's geometric mean over each completion (needs --loss-type grpo)"""
     clip_eps_low: float = 0.2
     """lower clip range of the importance ratio (1 - eps_low)"""
     clip_eps_high: float = 0.28
@@ -69,7 +78,12 @@ class Args(LLMArgs):
     beta: float = 0.0
     """KL coefficient to the frozen reference model (k3 estimator, in the loss); 0 loads no reference model"""
     num_iterations: int = 1
-    """mu: optimizer steps on each batch of rollouts (old logprobs come from the trainer before the first)"""
+    """mu: passes over each batch of rollouts (old logprobs come from the trainer before the first update)"""
+    num_minibatches: int = 1
+    """minibatches per pass, one optimizer step each (mu x k steps per batch, all against the policy that scored
+    it); each takes whole groups, so this rank's prompts must divide evenly"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment over the last this many tokens of --max-completion-length; 0: off"""
     tis_cap: float = 2.0
     """truncated importance sampling: weight tokens by min(pi_old / pi_rollout, cap); 0 turns it off"""
     seq_mask_cap: float = 0.0
@@ -89,10 +103,23 @@ class Args(LLMArgs):
 def check_args(args: Args, world_size: int) -> None:
     """Reject bad input on every rank, before any collective can hang (the shared checks, then GRPO's own)."""
     check_llm_args(args, world_size)
-    if args.num_iterations <= 0:
-        fail(f"--num-iterations must be positive, got {args.num_iterations}")
-    if args.scale_advantages == "group" and args.num_generations < 2:
-        fail("--num-generations must be at least 2 to compute a group's score std")
+    if args.num_iterations <= 0 or args.num_minibatches <= 0:
+        fail(f"--num-iterations and --num-minibatches must be positive, got {args.num_iterations} and "
+             f"{args.num_minibatches}")
+    per_rank = args.prompts_per_step // (world_size - args.rollout_ranks)
+    if per_rank % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} must divide the {per_rank} prompts per trainer rank: each "
+             "minibatch takes whole groups")
+    if args.num_minibatches > 1 and args.balance_tokens:
+        fail("--balance-tokens plans one batch: use it with --num-minibatches 1")
+    if (args.scale_advantages == "group" or args.advantage != "group") and args.num_generations < 2:
+        fail(f"--advantage {args.advantage} --scale-advantages {args.scale_advantages} needs --num-generations >= 2")
+    if args.advantage != "group" and args.scale_advantages != "group":
+        fail("--scale-advantages belongs to --advantage group (rloo is unscaled, reinforce_pp uses the batch std)")
+    if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
+        fail(f"--importance-sampling-level sequence (GSPO) needs --loss-type grpo, got {args.loss_type}")
+    if not 0 <= args.overlong_buffer <= args.max_completion_length:
+        fail(f"--overlong-buffer must be in [0, --max-completion-length], got {args.overlong_buffer}")
     if args.micro_batch_tokens < 0 or (args.micro_batch_tokens and not args.balance_tokens):
         fail("--micro-batch-tokens must be non-negative and needs --balance-tokens")
     if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.beta < 0 or args.tis_cap < 0:
@@ -102,7 +129,7 @@ def check_args(args: Args, world_size: int) -> None:
 
 
 # ============================================================================================
-# ALGORITHM: advantages, the clipped surrogate with TIS and KL, and its aggregation
+# ALGORITHM: advantages, the importance ratio, the surrogate with TIS and KL, and its aggregation
 # ============================================================================================
 
 
@@ -118,25 +145,72 @@ def group_advantages(scores: torch.Tensor, scale_advantages: str, eps: float = 1
     return centered
 
 
+def rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al., arXiv:2402.14740, sec. 3.3): the baseline of
+    completion i is the mean of its group's other G - 1 scores, A_i = r_i - (sum_j r_j - r_i) / (G - 1), which is
+    G / (G - 1) times GRPO's unscaled advantage (--scale-advantages none). Unbiased: no r_i in its own baseline."""
+    return scores - (scores.sum(dim=1, keepdim=True) - scores) / (scores.shape[1] - 1)
+
+
+def reinforce_pp_advantages(scores: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """REINFORCE++ with a baseline (Hu et al., arXiv:2501.03262, the variant for outcome rewards): subtract the
+    group's mean, then normalise over the whole batch, A = (a - mean(a)) / std(a) with a_i = r_i - mean(r_group),
+    so no small group's std inflates its advantages."""
+    centered = scores - scores.mean(dim=1, keepdim=True)
+    return (centered - centered.mean()) / (centered.std() + eps)
+
+
+def token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """DeepSeekMath eq. 3's importance ratio, per token: r_t = pi(o_t) / pi_old(o_t). [B, C]."""
+    return torch.exp(logprobs - old_logprobs)
+
+
+def sequence_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO (Zheng et al., arXiv:2507.18071, sec. 4): one ratio per completion, the geometric mean of its token
+    ratios, s_i = exp((1/|o_i|) sum_t log(pi / pi_old)), as GSPO-token's s_it = sg[s_i] pi(o_it) / sg[pi(o_it)]: value
+    s_i on every token, gradient s_i grad log pi(o_it), so with --loss-type grpo the gradient is GSPO's. With one
+    update per batch s_i = 1 and the clip never acts: GSPO is then GRPO with --loss-type grpo. [B, C]."""
+    log_ratio = ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return torch.exp(log_ratio.detach() + logprobs - logprobs.detach())
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
+    """DAPO eq. 13 (soft overlong punishment): 0 up to max_length - buffer tokens, then -(|o| - (max_length -
+    buffer)) / buffer, down to -1 at max_length (longer ones cannot be sampled). Added to the score."""
+    return -(lengths - (max_length - buffer)).clamp(min=0) / buffer
+
+
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """DeepSeekMath eq. 4 (Schulman's k3): KL ~ pi_ref/pi - log(pi_ref/pi) - 1, unbiased and always >= 0."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      clip_eps_low: float, clip_eps_high: float) -> torch.Tensor:
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
+                      ) -> torch.Tensor:
     """DeepSeekMath eq. 3 (PPO's clipped objective per token), negated to a loss; DAPO eq. 10 for the asymmetric
-    clip range: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with r = pi / pi_old."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    clip range: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) for the importance ratio r (token or sequence)."""
     return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages)
 
 
-def clip_active(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float,
-                clip_eps_high: float) -> torch.Tensor:
+def clip_active(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
+                ) -> torch.Tensor:
     """1.0 where eq. 3's clipped term is the smaller one (the token then gives no gradient), else 0.0."""
-    ratio = torch.exp(logprobs - old_logprobs)
     return (torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages < ratio * advantages).float()
+
+
+def cispo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
+                    ) -> torch.Tensor:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, sec. 3.1): REINFORCE weighted by the clipped ratio without gradient,
+    -sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi. Written with r / sg[r] for log pi: the same gradient,
+    -clip(r) A grad log pi, for clipped tokens too, and a value on the clipped surrogate's scale."""
+    return -torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high).detach() * advantages * ratio / ratio.detach()
+
+
+def weight_clipped(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
+                   ) -> torch.Tensor:
+    """1.0 where CISPO's weight clip(r) is not r (the token still gives gradient, with the clipped weight)."""
+    return ((ratio < 1 - clip_eps_low) | (ratio > 1 + clip_eps_high)).float()
 
 
 def truncated_is_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
@@ -168,12 +242,13 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     return weight * sequence_mask(old_logprobs, rollout_logprobs, mask, seq_mask_cap) if seq_mask_cap else weight
 
 
-def grpo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, is_weight: torch.Tensor,
+def grpo_token_loss(ratio: torch.Tensor, is_weight: torch.Tensor, logprobs: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, clip_eps_low: float,
-                    clip_eps_high: float, beta: float) -> torch.Tensor:
-    """The summand of DeepSeekMath eq. 3 as a loss, per token [B, C]: the clipped surrogate weighted by the rollout
-    correction `is_weight`, plus beta times the k3 KL to the reference (eq. 4) when there is one. advantages: [B, 1]."""
-    per_token = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high) * is_weight
+                    clip_eps_high: float, beta: float, surrogate=clipped_surrogate) -> torch.Tensor:
+    """The summand of DeepSeekMath eq. 3 as a loss, per token [B, C]: the surrogate (clipped, or CISPO's) of the
+    importance ratio, weighted by the rollout correction `is_weight`, plus beta times the k3 KL to the reference
+    (eq. 4) when there is one. advantages: [B, 1]."""
+    per_token = surrogate(ratio, advantages, clip_eps_low, clip_eps_high) * is_weight
     if ref_logprobs is not None:
         per_token = per_token + beta * k3_kl(logprobs, ref_logprobs)
     return per_token
@@ -205,74 +280,95 @@ if __name__ == "__main__":
     policy = load_model(args.model_name_or_path, args, device, attn_implementation=attention)
     reference = load_model(args.model_name_or_path, args, device, trainable=False, attn_implementation=attention) \
         if args.beta > 0 else None
-    optimizer, scheduler = make_optimizer(policy, args, args.learning_rate, args.total_steps * args.num_iterations)
+    updates = args.num_iterations * args.num_minibatches  # optimizer steps per batch of rollouts
+    optimizer, scheduler = make_optimizer(policy, args, args.learning_rate, args.total_steps * updates)
     trained = {"policy": (policy, optimizer)}
-    engine, tracker, start_step = start_training(run, trained, [scheduler], updates_per_step=args.num_iterations)
+    engine, tracker, start_step = start_training(run, trained, [scheduler], updates_per_step=updates)
+    # the options, each a function above, chosen here once
+    estimate_advantages = {"group": lambda scores: group_advantages(scores, args.scale_advantages),
+                           "rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages}[args.advantage]
+    importance_ratio = {"token": token_ratio, "sequence": sequence_ratio}[args.importance_sampling_level]
+    surrogate, clip_statistic = {"clip": (clipped_surrogate, clip_active),
+                                 "cispo": (cispo_surrogate, weight_clipped)}[args.policy_loss]
 
     for step in range(start_step + 1, args.total_steps + 1):
-        # --- rollouts: G samples per prompt on this rank's engine, scored by the task (PLUMBING) ---
+        # --- rollouts: G samples per prompt on this rank's engine, scored by the task (PLUMBING; with
+        # --dynamic-sampling-rounds only groups whose scores differ, refilled from further prompts) ---
         rollout = generate(engine, run, step)
         scores = rollout.task_scores
+        if args.overlong_buffer:
+            lengths = torch.tensor([float(len(sample.completion_ids)) for sample in rollout.samples])
+            scores = scores + overlong_penalty(lengths, args.max_completion_length, args.overlong_buffer)
 
         # ================================ ALGORITHM ================================
         # What the loss receives, per micro-batch `batch` of B completions (common/batching.py):
         #   logprobs      [B, C] log pi_theta(token | prompt, earlier tokens) after temperature, with gradient;
-        #   old_logprobs  the same tokens under the policy before this step's first update (mu = 1: = logprobs);
+        #   old_logprobs  under the policy that scored the batch, before its first update (one update: = logprobs);
         #   rollout_logprobs (batch.rollout_logprobs) under the engine that sampled them; ref_logprobs under the
-        #   frozen reference. All four are exactly 0.0 where batch.mask [B, C] is 0 (padding).
-        #   advantages [B, 1]: one per completion. The loss is the micro-batch's share of the batch loss (divided by
-        #   counts over all ranks); FSDP averages gradients over ranks, hence the backward of loss * world_size.
-        # --- advantages: group-relative, over the global batch ---
+        #   frozen reference. All four are exactly 0.0 where batch.mask [B, C] is 0 (padding, a tool's tokens).
+        #   advantages [B, 1]: one per completion. The loss is the micro-batch's share of its minibatch's loss
+        #   (counts over all ranks); FSDP averages gradients over ranks, hence the backward of loss * world_size.
+        # --- advantages over the global batch ---
         all_scores = [torch.zeros_like(scores) for _ in range(world_size)]
         dist.all_gather(all_scores, scores)
         grouped = torch.cat(all_scores).view(args.prompts_per_step, args.num_generations)
-        advantages = group_advantages(grouped, args.scale_advantages).flatten().view(world_size, -1)[rank].to(device)
+        advantages = estimate_advantages(grouped).flatten().view(world_size, -1)[rank].to(device)
+        # --- minibatches: consecutive whole groups of this rank's rows, each cut into micro-batches ---
+        minibatches = split(range(len(rollout.samples)), len(rollout.samples) // args.num_minibatches)
         counts = reduce_stats({"tokens": sum(s.model_tokens() for s in rollout.samples),  # the model's, not the env's
                                "sequences": len(rollout.samples),
-                               "truncated": sum(s.truncated for s in rollout.samples), "correct": sum(rollout.correct)})
+                               "truncated": sum(s.truncated for s in rollout.samples), "correct": sum(rollout.correct),
+                               **{f"minibatch_tokens/{u}": sum(rollout.samples[r].model_tokens() for r in minibatch)
+                                  for u, minibatch in enumerate(minibatches)}})
         num_tokens, num_sequences = int(counts["tokens"]), int(counts["sequences"])
 
-        # --- update: mu optimizer steps on this batch, gradient accumulation over micro-batches ---
+        # --- update: mu passes over k minibatches, one optimizer step each, gradient accumulation over micro-batches
         train_start = time.time()
         policy.eval()  # dropout off, as in the engine and the reference: every forward sees one network
-        pieces = split(range(len(rollout.samples)), args.micro_batch_size)
+        pieces = [piece for minibatch in minibatches for piece in split(minibatch, args.micro_batch_size)]
         if args.balance_tokens:  # (PLUMBING) equal tokens per rank; the advantages travel with their completions
             rollout, advantages, pieces = balance_tokens(
                 rollout, run, advantages[:, None].cpu(), args.num_generations if args.share_prompts else 1,
                 args.micro_batch_size, args.micro_batch_tokens)
             advantages = advantages[:, 0].to(device)
+        owner = [0] * len(pieces) if args.balance_tokens else [  # each micro-batch's minibatch
+            u for u, minibatch in enumerate(minibatches) for _ in minibatch[::args.micro_batch_size]]
         batches = micro_batches(rollout, pieces, run, args.share_prompts)
-        with torch.no_grad():  # pi_old (with mu > 1: before the first of the mu updates) and pi_ref, once per batch
-            old_logprobs = [token_logprobs(policy, b, args.temperature) if args.num_iterations > 1 else None
-                            for b in batches]
+        with torch.no_grad():  # pi_old (with mu k > 1: before the first of the updates) and pi_ref, once per batch
+            old_logprobs = [token_logprobs(policy, b, args.temperature) if updates > 1 else None for b in batches]
             ref_logprobs = [token_logprobs(reference, b, args.temperature) if reference else None for b in batches]
-        totals, grad_norm = Totals(), 0.0  # the norm logged is the mean over the mu updates, as PPO's
+        totals, grad_norm = Totals(), 0.0  # the norm logged is the mean over the updates, as PPO's
+        minibatch_sequences = num_sequences // args.num_minibatches
         for _ in range(args.num_iterations):  # mu passes over the batch
-            for m, (batch, rows) in enumerate(zip(batches, pieces)):
-                advantage = advantages[list(rows), None]
-                logprobs = token_logprobs(policy, batch, args.temperature)
-                if old_logprobs[m] is None:  # mu = 1: the policy before the update is the one in this forward
-                    old_logprobs[m] = logprobs.detach()
-                old, ref = old_logprobs[m], ref_logprobs[m]
-                is_weight = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
-                                               args.seq_mask_cap)
-                per_token = grpo_token_loss(logprobs, old, is_weight, ref, advantage, args.clip_eps_low,
-                                            args.clip_eps_high, args.beta)
-                loss = aggregate_loss(per_token, batch.mask, args.loss_type, num_sequences, num_tokens,
-                                      args.max_completion_length)
-                (loss * world_size).backward()
-                with torch.no_grad():  # --- diagnostics: shares of the batch's token means, averaged over mu ---
-                    clipped = clip_active(logprobs, old, advantage, args.clip_eps_low, args.clip_eps_high)
-                    kept = sequence_mask(old, batch.rollout_logprobs, batch.mask, args.seq_mask_cap) \
-                        if args.seq_mask_cap else batch.mask.new_ones(())
-                    totals.add({"train/loss": loss, "train/clip_fraction": (clipped * batch.mask).sum() / num_tokens,
-                                "mismatch/tis_weight_mean": (is_weight * batch.mask).sum() / num_tokens,
-                                "mismatch/masked_fraction": (1 - kept).sum() / num_sequences,
-                                **({"train/kl": (k3_kl(logprobs, ref) * batch.mask).sum() / num_tokens}
-                                   if ref is not None else {})},
-                               {"mismatch/tis_weight_max": (is_weight * batch.mask).max()}, divisor=args.num_iterations)
-            norm, learning_rate = optimizer_step(policy, optimizer, scheduler, args.max_grad_norm, step)
-            grad_norm += norm / args.num_iterations
+            for u in range(args.num_minibatches):
+                minibatch_tokens = int(counts[f"minibatch_tokens/{u}"])
+                for m in (m for m, of in enumerate(owner) if of == u):
+                    batch, advantage = batches[m], advantages[list(pieces[m]), None]
+                    logprobs = token_logprobs(policy, batch, args.temperature)
+                    if old_logprobs[m] is None:  # one update: the policy before it is the one in this forward
+                        old_logprobs[m] = logprobs.detach()
+                    old, ref = old_logprobs[m], ref_logprobs[m]
+                    ratio = importance_ratio(logprobs, old, batch.mask)
+                    is_weight = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
+                                                   args.seq_mask_cap)
+                    per_token = grpo_token_loss(ratio, is_weight, logprobs, ref, advantage, args.clip_eps_low,
+                                                args.clip_eps_high, args.beta, surrogate)
+                    loss = aggregate_loss(per_token, batch.mask, args.loss_type, minibatch_sequences,
+                                          minibatch_tokens, args.max_completion_length)
+                    (loss * world_size).backward()
+                    with torch.no_grad():  # --- diagnostics: shares of the minibatch's means, averaged over updates
+                        clipped = clip_statistic(ratio, advantage, args.clip_eps_low, args.clip_eps_high)
+                        kept = sequence_mask(old, batch.rollout_logprobs, batch.mask, args.seq_mask_cap) \
+                            if args.seq_mask_cap else batch.mask.new_ones(())
+                        totals.add({"train/loss": loss,
+                                    "train/clip_fraction": (clipped * batch.mask).sum() / minibatch_tokens,
+                                    "mismatch/tis_weight_mean": (is_weight * batch.mask).sum() / minibatch_tokens,
+                                    "mismatch/masked_fraction": (1 - kept).sum() / minibatch_sequences,
+                                    **({"train/kl": (k3_kl(logprobs, ref) * batch.mask).sum() / minibatch_tokens}
+                                       if ref is not None else {})},
+                                   {"mismatch/tis_weight_max": (is_weight * batch.mask).max()}, divisor=updates)
+                norm, learning_rate = optimizer_step(policy, optimizer, scheduler, args.max_grad_norm, step)
+                grad_norm += norm / updates
         for batch, old in zip(batches, old_logprobs):  # the engine's logprobs against the trainer's, before the update
             totals.add(*mismatch_stats(old, batch.rollout_logprobs, batch.mask, num_tokens))
         train_s = time.time() - train_start

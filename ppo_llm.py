@@ -103,6 +103,8 @@ class Args(LLMArgs):
 def check_args(args: Args, world_size: int) -> None:
     """Reject bad input on every rank, before any collective can hang (the shared checks, then PPO's own)."""
     check_llm_args(args, world_size)
+    if args.dynamic_sampling_rounds:
+        fail("--dynamic-sampling-rounds is GRPO's (grpo_llm.py): PPO's value baseline learns from every group")
     if args.ppo_epochs <= 0 or args.num_minibatches <= 0:
         fail(f"--ppo-epochs and --num-minibatches must be positive, got {args.ppo_epochs} and {args.num_minibatches}")
     per_rank = args.prompts_per_step // (world_size - args.rollout_ranks) * args.num_generations
@@ -254,26 +256,22 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     return weight * sequence_mask(old_logprobs, rollout_logprobs, mask, seq_mask_cap) if seq_mask_cap else weight
 
 
-def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      clip_eps: float) -> torch.Tensor:
-    """PPO eq. 7 per token, negated to a loss: -min(r A, clip(r, 1 - eps, 1 + eps) A) with r = pi / pi_old."""
-    ratio = torch.exp(logprobs - old_logprobs)
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> torch.Tensor:
+    """PPO eq. 7 per token, negated to a loss: -min(r A, clip(r, 1 - eps, 1 + eps) A) for the ratio r = pi / pi_old."""
     return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
 
 
-def clip_active(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float
-                ) -> torch.Tensor:
+def clip_active(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> torch.Tensor:
     """1.0 where eq. 7's clipped term is the smaller one (the token then gives no gradient), else 0.0."""
-    ratio = torch.exp(logprobs - old_logprobs)
     return (torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages < ratio * advantages).float()
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, is_weight: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float, num_tokens: float) -> torch.Tensor:
-    """The clipped surrogate weighted by the rollout correction `is_weight`, summed over this micro-batch's tokens
-    and divided by its minibatch's token count over all ranks (`num_tokens`), so the shares add up to the minibatch
-    mean."""
-    per_token = clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps) * is_weight
+def policy_loss(ratio: torch.Tensor, is_weight: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_eps: float, num_tokens: float) -> torch.Tensor:
+    """The clipped surrogate of the ratio pi / pi_old, weighted by the rollout correction `is_weight`, summed over
+    this micro-batch's tokens and divided by its minibatch's token count over all ranks (`num_tokens`), so the shares
+    add up to the minibatch mean."""
+    per_token = clipped_surrogate(ratio, advantages, clip_eps) * is_weight
     return (per_token * mask).sum() / num_tokens
 
 
@@ -382,12 +380,13 @@ if __name__ == "__main__":
                 logprobs, values = token_logprobs(policy, batch, args.temperature), predicted_values(value_model, batch)
                 is_weight = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
                                                args.seq_mask_cap)
-                pg_loss = policy_loss(logprobs, old, is_weight, advantage, batch.mask, args.clip_eps, minibatch_tokens)
+                ratio = torch.exp(logprobs - old)  # pi / pi_old per token
+                pg_loss = policy_loss(ratio, is_weight, advantage, batch.mask, args.clip_eps, minibatch_tokens)
                 vf_loss = value_loss(values, old_value, target, batch.mask, args.clip_eps_value, minibatch_tokens)
                 ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
                 with torch.no_grad():  # --- diagnostics: shares of the minibatch's token means, averaged over updates
                     totals.add({name: (value * batch.mask).sum() / minibatch_tokens for name, value in {
-                        "train/clip_fraction": clip_active(logprobs, old, advantage, args.clip_eps),
+                        "train/clip_fraction": clip_active(ratio, advantage, args.clip_eps),
                         "train/value_clip_fraction": value_clip_active(values, old_value, target, args.clip_eps_value),
                         "train/approx_kl": 0.5 * (logprobs - old) ** 2,  # N+ details
                         "mismatch/tis_weight_mean": is_weight,

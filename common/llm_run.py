@@ -83,6 +83,8 @@ class LLMArgs:
     allow_unisolated_tools: bool = False  # run a sandboxed tool (common/sandbox.py) even where this platform cannot
     # isolate it (no user namespaces): model-written code can then reach the network and read the run's files
     temperature: float = 1.0  # sampling temperature; logprobs (rollout and trainer) are taken after it
+    dynamic_sampling_rounds: int = 0  # GRPO, DAPO's dynamic sampling: drop the groups whose G scores are all equal
+    # (no advantage) and refill the batch with further prompts, in at most this many extra rounds; 0: off
     # --- optimizer ---
     learning_rate: float = 3e-4  # AdamW peak learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -166,6 +168,11 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
            args.eval_samples) < 0:
         fail("--eval-every, --save-every, --keep-last, --num-eval-prompts, --eval-samples and --warmup-steps must be "
              "non-negative")
+    if args.dynamic_sampling_rounds < 0 or (args.dynamic_sampling_rounds and args.num_generations < 2):
+        fail(f"--dynamic-sampling-rounds must be non-negative, and needs --num-generations of at least 2 (a group of "
+             f"one never varies), got {args.dynamic_sampling_rounds} and {args.num_generations}")
+    if args.dynamic_sampling_rounds and args.rollout_ranks:
+        fail("--dynamic-sampling-rounds runs in the colocated layout only for now: drop --rollout-ranks")
     if args.eval_samples and not args.eval_temperature > 0:
         fail(f"--eval-temperature must be positive with --eval-samples, got {args.eval_temperature}")
     if args.track and importlib.util.find_spec("wandb") is None:
@@ -321,11 +328,10 @@ def serve_rollouts(run: LLMRun) -> None:
 
     def produce(step: int, version: int) -> None:
         nonlocal idle
-        prompts, examples, samples, seconds = sample_prompts(engine, run, step)
-        scored = time.time()
-        texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
-        scores, correct = zip(*score_samples(run.task, examples, samples, texts))
-        timings = {"generate_s": seconds, "score_s": time.time() - scored, "rollout_wait_s": idle,
+        rows = sample_prompts(engine, run, step)
+        samples = rows.samples
+        scores, correct = zip(*rows.judged)
+        timings = {"generate_s": rows.generate_s, "score_s": rows.score_s, "rollout_wait_s": idle,
                    "longest_completion": float(max(len(s.completion_ids) for s in samples)),
                    "completions": float(len(samples))}
         idle = 0.0
@@ -427,7 +433,7 @@ class Rollout:
     step: int
     version: int  # the weights that sampled it: after update `version` (0 = the starting model)
     rollout_timings: list[dict[str, float]]  # the split layout: each rollout rank's timings of this batch
-    episode_metrics: dict[str, float] = field(default_factory=dict)  # multi-turn: the batch's episode/... metrics
+    rollout_metrics: dict[str, float] = field(default_factory=dict)  # the batch's episode/... and dynamic/... metrics
 
 
 def evaluation(engine: object, run: LLMRun) -> dict[str, float]:
@@ -437,33 +443,77 @@ def evaluation(engine: object, run: LLMRun) -> dict[str, float]:
     return evaluate(engine, run, run.args.num_eval_prompts, run.args.max_completion_length)
 
 
-def rank_rows(run: LLMRun, step: int) -> tuple[list[list[int]], list[Example], list[int]]:
+def rank_rows(run: LLMRun, step: int, round: int = 0) -> tuple[list[list[int]], list[Example], list[int]]:
     """This rank's rows of `step` (G per prompt): their prompt ids, task examples and sampling seeds, each seed
-    from the sample's global coordinates (step, prompt, sample), so no sample depends on which rank draws it."""
+    from the sample's global coordinates (step, prompt, sample), so no sample depends on which rank draws it. A
+    refill round r > 0 (--dynamic-sampling-rounds) draws as many further prompts from a permutation of its own, a
+    function of (seed, step, r) alone (so a resumed run draws the same), at coordinates r x prompts-per-step on."""
     args = run.args
     indices, first = prompts_for_rank(step, args.seed, len(run.train_ids), args.prompts_per_step, run.rank,
                                       run.world_size)
-    group = range(args.num_generations)
+    if round:
+        order = torch.randperm(len(run.train_ids), generator=torch.Generator().manual_seed(
+            sample_seed(args.seed, step, -1 - round, -1)))  # -1: no sample's (nor PPO's shuffle's) coordinates
+        indices = order[first:first + len(indices)].tolist()
+    group, offset = range(args.num_generations), round * args.prompts_per_step + first
     prompts = [run.train_ids[i] for i in indices for _ in group]
     examples = [run.train[i] for i in indices for _ in group]
-    seeds = [sample_seed(args.seed, step, first + p, i) for p in range(len(indices)) for i in group]
+    seeds = [sample_seed(args.seed, step, offset + p, i) for p in range(len(indices)) for i in group]
     return prompts, examples, seeds
 
 
-def sample_prompts(engine: object, run: LLMRun, step: int
-                   ) -> tuple[list[list[int]], list[Example], list[Sample], float]:
-    """This rank's rows of `step` sampled by `engine`, and the seconds it took."""
-    args, started = run.args, time.time()
-    prompts, examples, seeds = rank_rows(run, step)
-    samples = run_episodes(engine, run, prompts, examples, seeds, args.max_completion_length, args.temperature)
-    return prompts, examples, samples, time.time() - started
+@dataclass
+class SampledRows:
+    """This rank's rows of a step, sampled and scored: G consecutive rows per prompt."""
+    prompts: list[list[int]]
+    examples: list[Example]
+    samples: list[Sample]
+    texts: list[str]  # each completion decoded, as the judge reads it
+    judged: list[tuple[float, bool]]  # the task's (score, correct) of each row
+    generate_s: float
+    score_s: float
+    refill: dict[str, float]  # --dynamic-sampling-rounds: this rank's counts (rounds, groups sampled, varied, filler)
+
+
+def sample_prompts(engine: object, run: LLMRun, step: int) -> SampledRows:
+    """This rank's rows of `step` sampled by `engine` and scored by the task. With --dynamic-sampling-rounds R
+    (DAPO, Yu et al., arXiv:2503.14476, eq. 11: train only on groups that are neither all right nor all wrong),
+    a group whose G scores are all equal has no advantage to learn from: it is dropped, and up to R further rounds
+    of prompts (`rank_rows`) refill this rank's share; the varied groups are kept in the order they were drawn.
+    When the rounds run out first, the dropped groups fill the rest (zero advantage: they add no policy gradient),
+    so every rank trains on the same shapes; `refill` counts it. A refill round runs on every rank while any rank
+    still lacks groups (one small all-reduce per round); a rank already full joins it with no prompts."""
+    args, rows_per_rank = run.args, len(rank_rows(run, step)[0])
+    size, kept, dropped = args.num_generations, [], []  # groups: (prompts, examples, samples, texts, judged)
+    generate_s = score_s = 0.0
+    rounds = 0
+    for round in range(args.dynamic_sampling_rounds + 1):
+        wanted = len(kept) * size < rows_per_rank
+        if round and all_ranks_ok(not wanted):  # a round for all or none: scoring is a collective
+            break
+        started = time.time()
+        prompts, examples, seeds = rank_rows(run, step, round) if wanted else ([], [], [])
+        samples = run_episodes(engine, run, prompts, examples, seeds, args.max_completion_length, args.temperature)
+        scored = time.time()
+        texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
+        judged = score_samples(run.task, examples, samples, texts)
+        generate_s, score_s, rounds = generate_s + scored - started, score_s + time.time() - scored, rounds + wanted
+        if not args.dynamic_sampling_rounds:
+            return SampledRows(prompts, examples, samples, texts, judged, generate_s, score_s, {})
+        for first in range(0, len(samples), size):
+            group = [column[first:first + size] for column in (prompts, examples, samples, texts, judged)]
+            (kept if len({score for score, _ in group[4]}) > 1 else dropped).append(group)
+    chosen = (kept + dropped)[:rows_per_rank // size]
+    columns = [[row for group in chosen for row in group[c]] for c in range(5)]
+    refill = {"rounds": rounds, "sampled_groups": len(kept) + len(dropped), "varied_groups": len(kept),
+              "filler_groups": max(0, rows_per_rank // size - len(kept))}
+    return SampledRows(*columns, generate_s, score_s, refill)
 
 
 def generate(engine: object, run: LLMRun, step: int) -> Rollout:
-    """This rank's rows of `step` (`sample_prompts`), then the engine sleeps (on CUDA this frees its memory for
-    training) and the task scores every completion. Split layout: the same rows, sampled and scored by the rollout
-    ranks."""
-    args, started = run.args, time.time()
+    """This rank's rows of `step`, sampled and scored (`sample_prompts`), then the engine sleeps (on CUDA this frees
+    its memory for training). Split layout: the same rows, sampled and scored by the rollout ranks."""
+    started = time.time()
     version, rollout_timings = step - 1, []
     if isinstance(engine, RemoteRollouts):
         prompts, examples, _ = rank_rows(run, step)
@@ -472,7 +522,8 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
         version, rollout_timings = payloads[0]["version"], [payload["timings"] for payload in payloads]
         seconds = max(timings["generate_s"] for timings in rollout_timings)
     else:
-        prompts, examples, samples, seconds = sample_prompts(engine, run, step)
+        rows = sample_prompts(engine, run, step)
+        prompts, examples, samples, seconds = rows.prompts, rows.examples, rows.samples, rows.generate_s
         engine.sleep()
     generated = time.time()
     # The step's first collective: every rank's lengths (for token balancing and the timings); this rank waits here
@@ -480,22 +531,37 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
     mine = torch.tensor([[len(p), len(s.completion_ids)] for p, s in zip(prompts, samples)])
     lengths = all_gather_rows(mine)
     gathered = time.time()
-    texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
     if rollout_timings:  # scored on the rollout ranks (a checkpoint older than `correct`: scores of 1 are correct)
+        texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
         judged = [pair for payload in payloads for pair in zip(payload["scores"], payload.get(
             "correct", [score >= 1 for score in payload["scores"]]))]
+        score_s = time.time() - gathered
     else:
-        judged = score_samples(run.task, examples, samples, texts)
+        texts, judged, score_s = rows.texts, rows.judged, rows.score_s
     scores = torch.tensor([float(score) for score, _ in judged])
     correct = torch.tensor([float(right) for _, right in judged])
-    timings = {"generate_s": generated - started, "wait_s": gathered - generated, "score_s": time.time() - gathered,
+    timings = {"generate_s": generated - started, "wait_s": gathered - generated, "score_s": score_s,
                "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
-    episodes = {}  # multi-turn: turns, tool calls and failures, environment tokens, truncations, per episode
+    return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, correct, lengths,
+                   started, seconds, timings, step, version, rollout_timings,
+                   rollout_metrics(run, samples, {} if rollout_timings else rows.refill))
+
+
+def rollout_metrics(run: LLMRun, samples: list[Sample], refill: dict[str, float]) -> dict[str, float]:
+    """The batch's multi-turn statistics (turns, tool calls and failures, environment tokens, truncations, per
+    episode) and dynamic sampling's: rounds per rank, the share of sampled groups that varied, the share of the batch
+    filled with dropped groups because the rounds ran out, prompts sampled. One collective each, on every rank."""
+    args, metrics = run.args, {}
     if is_multi_turn(run.task):
         sums = reduce_stats(episode_sums(samples, run.task.environment().event_names))
-        episodes = {name: value / (args.prompts_per_step * args.num_generations) for name, value in sums.items()}
-    return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, correct, lengths,
-                   started, seconds, timings, step, version, rollout_timings, episodes)
+        metrics = {name: value / (args.prompts_per_step * args.num_generations) for name, value in sums.items()}
+    if args.dynamic_sampling_rounds:
+        sums = reduce_stats(refill)
+        metrics.update({"dynamic/rounds": sums["rounds"] / run.world_size,
+                        "dynamic/varied_fraction": sums["varied_groups"] / sums["sampled_groups"],
+                        "dynamic/filler_fraction": sums["filler_groups"] / args.prompts_per_step,
+                        "dynamic/sampled_prompts": sums["sampled_groups"]})
+    return metrics
 
 
 def judge(reward_model: RewardModel | None, rollout: Rollout) -> torch.Tensor:
@@ -587,7 +653,7 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     pieces = [[i * unit + j for i in piece for j in range(unit)] for piece in unit_pieces]
     balanced = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0), torch.empty(0),
                        rollout.lengths, rollout.started, rollout.seconds, rollout.timings, rollout.step,
-                       rollout.version, rollout.rollout_timings, rollout.episode_metrics)
+                       rollout.version, rollout.rollout_timings, rollout.rollout_metrics)
     return balanced, torch.tensor(values, dtype=per_row.dtype).reshape(len(samples), -1), pieces
 
 
@@ -651,7 +717,7 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
                                "step_s": metrics["perf/step_s"]}, rollout.rollout_timings)
     if not all(math.isfinite(value) for name, value in metrics.items() if name.endswith("loss")):
         fail(f"non-finite loss at step {step}; the last checkpoint is left as it was")
-    metrics.update(rollout.episode_metrics)
+    metrics.update(rollout.rollout_metrics)
     if evaluation_due(step, args.eval_every, args.total_steps):
         metrics.update(evaluation(engine, run))
     tracker.log(step, metrics)

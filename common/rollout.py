@@ -102,6 +102,8 @@ class VLLMEngine:
             mine = dist.get_rank() % self.tp
             offset = sum(len(part) for part in gathered[:mine])
             requests = [request for part in gathered for request in part]
+        if not requests:  # a rank (or group) with nothing to sample in a round others need (dynamic sampling)
+            return []
         params = [SamplingParams(temperature=temperature, max_tokens=limit, seed=seed, logprobs=0,
                                  stop_token_ids=list(eos_ids)) for _, seed, limit in requests]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params, use_tqdm=False)

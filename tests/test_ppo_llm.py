@@ -125,10 +125,10 @@ def test_policy_loss_by_hand():
     advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     weight = rollout_correction(old, rollout, mask, tis_cap=1.5, seq_mask_cap=0.0)
-    loss = policy_loss(logprobs, old, weight, advantages, mask, clip_eps=0.2, num_tokens=3)
+    loss = policy_loss(torch.exp(logprobs - old), weight, advantages, mask, clip_eps=0.2, num_tokens=3)
     assert loss.item() == pytest.approx((-1.2 * 1.5 + 1.5 - 0.5) / 3)
     # the statistics the loop logs next to it, as shares of the token mean
-    clipped = clip_active(logprobs, old, advantages, clip_eps=0.2)
+    clipped = clip_active(torch.exp(logprobs - old), advantages, clip_eps=0.2)
     assert (clipped * mask).sum().item() / 3 == pytest.approx(1 / 3)  # the fourth clipped token is padding
     approx_kl = (0.5 * (logprobs - old) ** 2 * mask).sum().item() / 3  # as the loop computes it (N+ details)
     assert approx_kl == pytest.approx(0.5 * (2 * math.log(1.5) ** 2 + math.log(0.5) ** 2) / 3)
@@ -148,7 +148,7 @@ def test_sequence_mask_drops_whole_completions_by_hand():
     torch.testing.assert_close(weight, torch.tensor([[2.0, 1.0], [0.0, 0.0]]))
     advantages = torch.ones(2, 2)  # the dropped completion adds nothing to the loss, nor to its gradient
     logprobs = old.clone().requires_grad_()
-    policy_loss(logprobs, old, weight, advantages, mask, clip_eps=0.2, num_tokens=3).backward()
+    policy_loss(torch.exp(logprobs - old), weight, advantages, mask, clip_eps=0.2, num_tokens=3).backward()
     torch.testing.assert_close(logprobs.grad[1], torch.zeros(2))
     assert logprobs.grad[0].abs().sum() > 0
 
@@ -156,7 +156,7 @@ def test_sequence_mask_drops_whole_completions_by_hand():
 def test_policy_loss_without_tis():
     logprobs, rollout = torch.zeros(1, 2), torch.log(torch.tensor([[0.25, 4.0]]))
     weight = rollout_correction(logprobs, rollout, torch.ones(1, 2), tis_cap=0.0, seq_mask_cap=0.0)
-    loss = policy_loss(logprobs, logprobs, weight, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2, 2)
+    loss = policy_loss(torch.exp(logprobs - logprobs), weight, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2, 2)
     assert loss.item() == pytest.approx(-1.0) and torch.all(truncated_is_weight(logprobs, rollout, 0.0) == 1.0)
 
 
