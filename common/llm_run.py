@@ -171,8 +171,6 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
     if args.dynamic_sampling_rounds < 0 or (args.dynamic_sampling_rounds and args.num_generations < 2):
         fail(f"--dynamic-sampling-rounds must be non-negative, and needs --num-generations of at least 2 (a group of "
              f"one never varies), got {args.dynamic_sampling_rounds} and {args.num_generations}")
-    if args.dynamic_sampling_rounds and args.rollout_ranks:
-        fail("--dynamic-sampling-rounds runs in the colocated layout only for now: drop --rollout-ranks")
     if args.eval_samples and not args.eval_temperature > 0:
         fail(f"--eval-temperature must be positive with --eval-samples, got {args.eval_temperature}")
     if args.track and importlib.util.find_spec("wandb") is None:
@@ -333,10 +331,11 @@ def serve_rollouts(run: LLMRun) -> None:
         scores, correct = zip(*rows.judged)
         timings = {"generate_s": rows.generate_s, "score_s": rows.score_s, "rollout_wait_s": idle,
                    "longest_completion": float(max(len(s.completion_ids) for s in samples)),
-                   "completions": float(len(samples))}
+                   "completions": float(len(samples)), **{f"refill_{k}": v for k, v in rows.refill.items()}}
         idle = 0.0
         transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples,
-                 [float(score) for score in scores], [float(right) for right in correct], version, timings)
+                 [float(score) for score in scores], [float(right) for right in correct], version, timings,
+                 (rows.prompts, rows.examples) if args.dynamic_sampling_rounds else None)
 
     def load_weights() -> None:
         transfer(lambda: engine.update_weights(receive_weights(layout, run.device)))
@@ -516,8 +515,10 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
     started = time.time()
     version, rollout_timings = step - 1, []
     if isinstance(engine, RemoteRollouts):
-        prompts, examples, _ = rank_rows(run, step)
         payloads = engine.batch(step)
+        prompts, examples, _ = rank_rows(run, step)
+        if "prompts" in payloads[0]:  # dynamic sampling refilled them: other prompts than the step's own
+            prompts, examples = ([row for payload in payloads for row in payload[k]] for k in ("prompts", "examples"))
         samples = [sample for payload in payloads for sample in payload["samples"]]
         version, rollout_timings = payloads[0]["version"], [payload["timings"] for payload in payloads]
         seconds = max(timings["generate_s"] for timings in rollout_timings)
@@ -544,20 +545,26 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
                "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
     return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, correct, lengths,
                    started, seconds, timings, step, version, rollout_timings,
-                   rollout_metrics(run, samples, {} if rollout_timings else rows.refill))
+                   rollout_metrics(run, samples, rows.refill if not rollout_timings else None, rollout_timings))
 
 
-def rollout_metrics(run: LLMRun, samples: list[Sample], refill: dict[str, float]) -> dict[str, float]:
+def rollout_metrics(run: LLMRun, samples: list[Sample], refill: dict[str, float] | None,
+                    rollout_timings: list[dict[str, float]]) -> dict[str, float]:
     """The batch's multi-turn statistics (turns, tool calls and failures, environment tokens, truncations, per
-    episode) and dynamic sampling's: rounds per rank, the share of sampled groups that varied, the share of the batch
-    filled with dropped groups because the rounds ran out, prompts sampled. One collective each, on every rank."""
+    episode) and dynamic sampling's: rounds per generating rank, the share of sampled groups that varied, the share of
+    the batch filled with dropped groups because the rounds ran out, prompts sampled. One collective each, on every
+    rank. Split layout: the refill counts come with each rollout rank's timings, all of which trainer 0 (the one that
+    logs) receives."""
     args, metrics = run.args, {}
     if is_multi_turn(run.task):
         sums = reduce_stats(episode_sums(samples, run.task.environment().event_names))
         metrics = {name: value / (args.prompts_per_step * args.num_generations) for name, value in sums.items()}
     if args.dynamic_sampling_rounds:
-        sums = reduce_stats(refill)
-        metrics.update({"dynamic/rounds": sums["rounds"] / run.world_size,
+        names = ("rounds", "sampled_groups", "varied_groups", "filler_groups")
+        sums = reduce_stats(refill) if refill is not None else {
+            name: sum(timings[f"refill_{name}"] for timings in rollout_timings) for name in names}
+        generators = run.world_size if refill is not None else len(rollout_timings)
+        metrics.update({"dynamic/rounds": sums["rounds"] / generators,
                         "dynamic/varied_fraction": sums["varied_groups"] / sums["sampled_groups"],
                         "dynamic/filler_fraction": sums["filler_groups"] / args.prompts_per_step,
                         "dynamic/sampled_prompts": sums["sampled_groups"]})

