@@ -5,12 +5,11 @@ arXiv:2402.03300 (GRPO, section 4). Options, each a small function below chosen 
 token-level loss, dynamic sampling and overlong shaping (arXiv:2503.14476), Dr. GRPO's normalisation (arXiv:2503.20783),
 GSPO's sequence ratio (arXiv:2507.18071), CISPO (arXiv:2506.13585), RLOO and REINFORCE++ advantages.
 
-What it is, in plain words: with the defaults (`--num-iterations 1`, `--num-minibatches 1`) the policy that sampled
-is the policy being updated, so the ratio is 1 and GRPO is token-level REINFORCE with group-normalised advantages
-(each completion's score minus its group's mean, over the group's std). The clip (and GSPO's and CISPO's ratio)
-matters only with more than one update per batch: mu passes over k minibatches. The one correction that always acts
-is truncated importance sampling (TIS): the rollout engine's probabilities differ slightly from the trainer's (other
-kernels), and each token is reweighted by min(pi_old / pi_rollout, cap).
+In plain words: with one update per batch (the default mu = k = 1) the ratio is 1 and GRPO is token-level REINFORCE
+with group-normalised advantages (score minus the group's mean, over its std); the clip (and GSPO's and CISPO's
+ratio) acts only over mu passes of k minibatches. The one correction that always acts is truncated importance
+sampling (TIS): the engine's probabilities differ slightly from the trainer's, so each token is reweighted by
+min(pi_old / pi_rollout, cap).
 
 Each torchrun rank holds one vLLM engine for rollouts and one FSDP2 shard of the policy for training; after every
 update the weights stream into the engine. Same arguments + same machine + same world size = same bits. With
@@ -26,6 +25,7 @@ so the split layout keeps the same-bits promise (at the same K).
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -80,8 +80,7 @@ class Args(LLMArgs):
     num_iterations: int = 1
     """mu: passes over each batch of rollouts (old logprobs come from the trainer before the first update)"""
     num_minibatches: int = 1
-    """minibatches per pass, one optimizer step each (mu x k steps per batch, all against the policy that scored
-    it); each takes whole groups, so this rank's prompts must divide evenly"""
+    """k: minibatches of whole groups per pass, one optimizer step each (this rank's prompts must divide evenly)"""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment over the last this many tokens of --max-completion-length; 0: off"""
     tis_cap: float = 2.0
@@ -113,7 +112,7 @@ def check_args(args: Args, world_size: int) -> None:
     if args.num_minibatches > 1 and args.balance_tokens:
         fail("--balance-tokens plans one batch: use it with --num-minibatches 1")
     if (args.scale_advantages == "group" or args.advantage != "group") and args.num_generations < 2:
-        fail(f"--advantage {args.advantage} --scale-advantages {args.scale_advantages} needs --num-generations >= 2")
+        fail("--num-generations must be at least 2: a group's baseline (or std) needs its other samples")
     if args.advantage != "group" and args.scale_advantages != "group":
         fail("--scale-advantages belongs to --advantage group (rloo is unscaled, reinforce_pp uses the batch std)")
     if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
@@ -152,26 +151,27 @@ def rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
     return scores - (scores.sum(dim=1, keepdim=True) - scores) / (scores.shape[1] - 1)
 
 
-def reinforce_pp_advantages(scores: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+def reinforce_pp_advantages(scores: torch.Tensor, lengths: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """REINFORCE++ with a baseline (Hu et al., arXiv:2501.03262, the variant for outcome rewards): subtract the
-    group's mean, then normalise over the whole batch, A = (a - mean(a)) / std(a) with a_i = r_i - mean(r_group),
-    so no small group's std inflates its advantages."""
+    group's mean, then whiten over the batch's tokens (as its OpenRLHF code and verl do: each completion weighs its
+    `lengths`, every token of an episode), A = (a - mean(a)) / std(a) with a_i = r_i - mean(r_group)."""
     centered = scores - scores.mean(dim=1, keepdim=True)
-    return (centered - centered.mean()) / (centered.std() + eps)
+    mean = (centered * lengths).sum() / lengths.sum()
+    return (centered - mean) / (((centered - mean) ** 2 * lengths).sum() / lengths.sum()).sqrt().add(eps)
 
 
-def token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """DeepSeekMath eq. 3's importance ratio, per token: r_t = pi(o_t) / pi_old(o_t). [B, C]."""
-    return torch.exp(logprobs - old_logprobs)
+def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The log of DeepSeekMath eq. 3's importance ratio, per token: log r_t = log pi(o_t) - log pi_old(o_t). [B, C]."""
+    return logprobs - old_logprobs
 
 
-def sequence_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO (Zheng et al., arXiv:2507.18071, sec. 4): one ratio per completion, the geometric mean of its token
     ratios, s_i = exp((1/|o_i|) sum_t log(pi / pi_old)), as GSPO-token's s_it = sg[s_i] pi(o_it) / sg[pi(o_it)]: value
-    s_i on every token, gradient s_i grad log pi(o_it), so with --loss-type grpo the gradient is GSPO's. With one
-    update per batch s_i = 1 and the clip never acts: GSPO is then GRPO with --loss-type grpo. [B, C]."""
-    log_ratio = ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    return torch.exp(log_ratio.detach() + logprobs - logprobs.detach())
+    s_i on every token, gradient s_i grad log pi(o_it), so with --loss-type grpo (and TIS off, --tis-cap 0) the
+    gradient is GSPO's. With one update per batch s_i = 1, the clip never acts: GRPO with --loss-type grpo. [B, C]."""
+    mean = ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return mean.detach() + logprobs - logprobs.detach()
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
@@ -186,30 +186,33 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
+def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
                       ) -> torch.Tensor:
     """DeepSeekMath eq. 3 (PPO's clipped objective per token), negated to a loss; DAPO eq. 10 for the asymmetric
     clip range: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) for the importance ratio r (token or sequence)."""
+    ratio = torch.exp(log_ratio)
     return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages)
 
 
-def clip_active(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
+def clip_active(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
                 ) -> torch.Tensor:
     """1.0 where eq. 3's clipped term is the smaller one (the token then gives no gradient), else 0.0."""
+    ratio = torch.exp(log_ratio)
     return (torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages < ratio * advantages).float()
 
 
-def cispo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
+def cispo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
                     ) -> torch.Tensor:
-    """CISPO (MiniMax-M1, arXiv:2506.13585, sec. 3.1): REINFORCE weighted by the clipped ratio without gradient,
-    -sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi. Written with r / sg[r] for log pi: the same gradient,
-    -clip(r) A grad log pi, for clipped tokens too, and a value on the clipped surrogate's scale."""
-    return -torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high).detach() * advantages * ratio / ratio.detach()
+    """CISPO (MiniMax-M1, arXiv:2506.13585, sec. 3.1): -sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi, written with
+    exp(log r - sg[log r]) (value 1) for log pi: gradient -clip(r) A grad log pi on every token, clipped ones too."""
+    weight = torch.clamp(torch.exp(log_ratio), 1 - clip_eps_low, 1 + clip_eps_high).detach()
+    return -weight * advantages * torch.exp(log_ratio - log_ratio.detach())
 
 
-def weight_clipped(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
+def weight_clipped(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float
                    ) -> torch.Tensor:
     """1.0 where CISPO's weight clip(r) is not r (the token still gives gradient, with the clipped weight)."""
+    ratio = torch.exp(log_ratio)
     return ((ratio < 1 - clip_eps_low) | (ratio > 1 + clip_eps_high)).float()
 
 
@@ -242,13 +245,13 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     return weight * sequence_mask(old_logprobs, rollout_logprobs, mask, seq_mask_cap) if seq_mask_cap else weight
 
 
-def grpo_token_loss(ratio: torch.Tensor, is_weight: torch.Tensor, logprobs: torch.Tensor,
+def grpo_token_loss(log_ratio: torch.Tensor, is_weight: torch.Tensor, logprobs: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, clip_eps_low: float,
-                    clip_eps_high: float, beta: float, surrogate=clipped_surrogate) -> torch.Tensor:
+                    clip_eps_high: float, beta: float, surrogate: Callable = clipped_surrogate) -> torch.Tensor:
     """The summand of DeepSeekMath eq. 3 as a loss, per token [B, C]: the surrogate (clipped, or CISPO's) of the
     importance ratio, weighted by the rollout correction `is_weight`, plus beta times the k3 KL to the reference
     (eq. 4) when there is one. advantages: [B, 1]."""
-    per_token = surrogate(ratio, advantages, clip_eps_low, clip_eps_high) * is_weight
+    per_token = surrogate(log_ratio, advantages, clip_eps_low, clip_eps_high) * is_weight
     if ref_logprobs is not None:
         per_token = per_token + beta * k3_kl(logprobs, ref_logprobs)
     return per_token
@@ -285,25 +288,24 @@ if __name__ == "__main__":
     trained = {"policy": (policy, optimizer)}
     engine, tracker, start_step = start_training(run, trained, [scheduler], updates_per_step=updates)
     # the options, each a function above, chosen here once
-    estimate_advantages = {"group": lambda scores: group_advantages(scores, args.scale_advantages),
-                           "rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages}[args.advantage]
-    importance_ratio = {"token": token_ratio, "sequence": sequence_ratio}[args.importance_sampling_level]
+    estimate_advantages = {"group": lambda scores, _: group_advantages(scores, args.scale_advantages),
+                           "rloo": lambda scores, _: rloo_advantages(scores),
+                           "reinforce_pp": reinforce_pp_advantages}[args.advantage]  # (scores, lengths) [P, G]
+    importance_log_ratio = {"token": token_log_ratio, "sequence": sequence_log_ratio}[args.importance_sampling_level]
     surrogate, clip_statistic = {"clip": (clipped_surrogate, clip_active),
                                  "cispo": (cispo_surrogate, weight_clipped)}[args.policy_loss]
 
     for step in range(start_step + 1, args.total_steps + 1):
-        # --- rollouts: G samples per prompt on this rank's engine, scored by the task (PLUMBING; with
-        # --dynamic-sampling-rounds only groups whose scores differ, refilled from further prompts) ---
-        rollout = generate(engine, run, step)
-        scores = rollout.task_scores
+        # --- rollouts: G samples per prompt on this rank's engine, scored by the task (PLUMBING) ---
+        rollout = generate(engine, run, step)  # --dynamic-sampling-rounds: groups of unequal scores, refilled
+        scores, lengths = rollout.task_scores, rollout.lengths[:, :, 1].to(rollout.task_scores.dtype)  # all ranks'
         if args.overlong_buffer:
-            lengths = torch.tensor([float(len(sample.completion_ids)) for sample in rollout.samples])
-            scores = scores + overlong_penalty(lengths, args.max_completion_length, args.overlong_buffer)
+            scores = scores + overlong_penalty(lengths[rank], args.max_completion_length, args.overlong_buffer)
 
         # ================================ ALGORITHM ================================
         # What the loss receives, per micro-batch `batch` of B completions (common/batching.py):
         #   logprobs      [B, C] log pi_theta(token | prompt, earlier tokens) after temperature, with gradient;
-        #   old_logprobs  under the policy that scored the batch, before its first update (one update: = logprobs);
+        #   old_logprobs  under the policy before this batch's first update (with one update: = logprobs);
         #   rollout_logprobs (batch.rollout_logprobs) under the engine that sampled them; ref_logprobs under the
         #   frozen reference. All four are exactly 0.0 where batch.mask [B, C] is 0 (padding, a tool's tokens).
         #   advantages [B, 1]: one per completion. The loss is the micro-batch's share of its minibatch's loss
@@ -312,7 +314,8 @@ if __name__ == "__main__":
         all_scores = [torch.zeros_like(scores) for _ in range(world_size)]
         dist.all_gather(all_scores, scores)
         grouped = torch.cat(all_scores).view(args.prompts_per_step, args.num_generations)
-        advantages = estimate_advantages(grouped).flatten().view(world_size, -1)[rank].to(device)
+        advantages = estimate_advantages(grouped, lengths.view(grouped.shape)).flatten().view(world_size, -1)[rank]
+        advantages = advantages.to(device)
         # --- minibatches: consecutive whole groups of this rank's rows, each cut into micro-batches ---
         minibatches = split(range(len(rollout.samples)), len(rollout.samples) // args.num_minibatches)
         counts = reduce_stats({"tokens": sum(s.model_tokens() for s in rollout.samples),  # the model's, not the env's
@@ -331,8 +334,7 @@ if __name__ == "__main__":
                 rollout, run, advantages[:, None].cpu(), args.num_generations if args.share_prompts else 1,
                 args.micro_batch_size, args.micro_batch_tokens)
             advantages = advantages[:, 0].to(device)
-        owner = [0] * len(pieces) if args.balance_tokens else [  # each micro-batch's minibatch
-            u for u, minibatch in enumerate(minibatches) for _ in minibatch[::args.micro_batch_size]]
+        schedule = split(range(len(pieces)), len(pieces) // args.num_minibatches)  # each minibatch's micro-batches
         batches = micro_batches(rollout, pieces, run, args.share_prompts)
         with torch.no_grad():  # pi_old (with mu k > 1: before the first of the updates) and pi_ref, once per batch
             old_logprobs = [token_logprobs(policy, b, args.temperature) if updates > 1 else None for b in batches]
@@ -340,24 +342,24 @@ if __name__ == "__main__":
         totals, grad_norm = Totals(), 0.0  # the norm logged is the mean over the updates, as PPO's
         minibatch_sequences = num_sequences // args.num_minibatches
         for _ in range(args.num_iterations):  # mu passes over the batch
-            for u in range(args.num_minibatches):
+            for u, in_minibatch in enumerate(schedule):
                 minibatch_tokens = int(counts[f"minibatch_tokens/{u}"])
-                for m in (m for m, of in enumerate(owner) if of == u):
+                for m in in_minibatch:
                     batch, advantage = batches[m], advantages[list(pieces[m]), None]
                     logprobs = token_logprobs(policy, batch, args.temperature)
                     if old_logprobs[m] is None:  # one update: the policy before it is the one in this forward
                         old_logprobs[m] = logprobs.detach()
                     old, ref = old_logprobs[m], ref_logprobs[m]
-                    ratio = importance_ratio(logprobs, old, batch.mask)
+                    log_ratio = importance_log_ratio(logprobs, old, batch.mask)
                     is_weight = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
                                                    args.seq_mask_cap)
-                    per_token = grpo_token_loss(ratio, is_weight, logprobs, ref, advantage, args.clip_eps_low,
+                    per_token = grpo_token_loss(log_ratio, is_weight, logprobs, ref, advantage, args.clip_eps_low,
                                                 args.clip_eps_high, args.beta, surrogate)
                     loss = aggregate_loss(per_token, batch.mask, args.loss_type, minibatch_sequences,
                                           minibatch_tokens, args.max_completion_length)
                     (loss * world_size).backward()
                     with torch.no_grad():  # --- diagnostics: shares of the minibatch's means, averaged over updates
-                        clipped = clip_statistic(ratio, advantage, args.clip_eps_low, args.clip_eps_high)
+                        clipped = clip_statistic(log_ratio, advantage, args.clip_eps_low, args.clip_eps_high)
                         kept = sequence_mask(old, batch.rollout_logprobs, batch.mask, args.seq_mask_cap) \
                             if args.seq_mask_cap else batch.mask.new_ones(())
                         totals.add({"train/loss": loss,

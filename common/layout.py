@@ -98,10 +98,10 @@ def _correspondents(layout: Layout, rows_per_step: int) -> dict[tuple[int, int],
 
 def send_samples(layout: Layout, rows_per_step: int, samples: list[Sample], scores: list[float],
                  correct: list[float], version: int, timings: dict[str, float],
-                 prompts: tuple[list[list[int]], list] | None = None) -> None:
+                 indices: list[int] | None = None) -> None:
     """A rollout rank's side of the sample transfer, point to point over `world`: each of its trainers gets its rows
     (their scores and correctness), the weight version that sampled them and this rank's timings; a size, then the
-    bytes. `prompts` (the rows' prompt ids and task examples) travel too when they are not the step's own (dynamic
+    bytes. The rows' `indices` into the training prompts travel too when they are not the step's own (dynamic
     sampling refills a batch from further prompts)."""
     me = dist.get_rank()  # this side's rank: the rollout index
     first = row_ranges(rows_per_step, layout.rollout_ranks)[me].start
@@ -110,9 +110,9 @@ def send_samples(layout: Layout, rows_per_step: int, samples: list[Sample], scor
         if source != me:
             continue
         local = slice(rows.start - first, rows.stop - first)
-        rows_of = {"prompts": prompts[0][local], "examples": prompts[1][local]} if prompts else {}
         payload = pickle.dumps({"samples": samples[local], "scores": scores[local], "correct": correct[local],
-                                "version": version, "timings": timings, **rows_of})
+                                "version": version, "timings": timings,
+                                **({"indices": indices[local]} if indices is not None else {})})
         size = torch.tensor([len(payload)], dtype=torch.long)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         requests += [dist.isend(size, group=layout.world, group_dst=trainer, tag=0),

@@ -326,7 +326,7 @@ def serve_rollouts(run: LLMRun) -> None:
 
     def produce(step: int, version: int) -> None:
         nonlocal idle
-        rows = sample_prompts(engine, run, step)
+        rows = score_rows(run, sample_prompts(engine, run, step))
         samples = rows.samples
         scores, correct = zip(*rows.judged)
         timings = {"generate_s": rows.generate_s, "score_s": rows.score_s, "rollout_wait_s": idle,
@@ -335,7 +335,7 @@ def serve_rollouts(run: LLMRun) -> None:
         idle = 0.0
         transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples,
                  [float(score) for score in scores], [float(right) for right in correct], version, timings,
-                 (rows.prompts, rows.examples) if args.dynamic_sampling_rounds else None)
+                 rows.indices if args.dynamic_sampling_rounds else None)
 
     def load_weights() -> None:
         transfer(lambda: engine.update_weights(receive_weights(layout, run.device)))
@@ -442,90 +442,99 @@ def evaluation(engine: object, run: LLMRun) -> dict[str, float]:
     return evaluate(engine, run, run.args.num_eval_prompts, run.args.max_completion_length)
 
 
-def rank_rows(run: LLMRun, step: int, round: int = 0) -> tuple[list[list[int]], list[Example], list[int]]:
-    """This rank's rows of `step` (G per prompt): their prompt ids, task examples and sampling seeds, each seed
-    from the sample's global coordinates (step, prompt, sample), so no sample depends on which rank draws it. A
-    refill round r > 0 (--dynamic-sampling-rounds) draws as many further prompts from a permutation of its own, a
-    function of (seed, step, r) alone (so a resumed run draws the same), at coordinates r x prompts-per-step on."""
+def rank_rows(run: LLMRun, step: int, refill_round: int = 0) -> tuple[list[int], list[int]]:
+    """This rank's rows of `step` (G per prompt): each row's index into the training prompts and its sampling seed,
+    the seed from the sample's global coordinates (step, prompt, sample), so no sample depends on which rank draws
+    it. A refill round r > 0 (--dynamic-sampling-rounds) draws as many further prompts from a permutation of its own,
+    a function of (seed, step, r) alone (so a resumed run draws the same), at coordinates r x prompts-per-step on."""
     args = run.args
     indices, first = prompts_for_rank(step, args.seed, len(run.train_ids), args.prompts_per_step, run.rank,
                                       run.world_size)
-    if round:
+    if refill_round:
         order = torch.randperm(len(run.train_ids), generator=torch.Generator().manual_seed(
-            sample_seed(args.seed, step, -1 - round, -1)))  # -1: no sample's (nor PPO's shuffle's) coordinates
+            sample_seed(args.seed, step, -1 - refill_round, -1)))  # -1: no sample's (nor PPO's shuffle's) coordinates
         indices = order[first:first + len(indices)].tolist()
-    group, offset = range(args.num_generations), round * args.prompts_per_step + first
-    prompts = [run.train_ids[i] for i in indices for _ in group]
-    examples = [run.train[i] for i in indices for _ in group]
+    group, offset = range(args.num_generations), refill_round * args.prompts_per_step + first
     seeds = [sample_seed(args.seed, step, offset + p, i) for p in range(len(indices)) for i in group]
-    return prompts, examples, seeds
+    return [i for i in indices for _ in group], seeds
 
 
 @dataclass
 class SampledRows:
-    """This rank's rows of a step, sampled and scored: G consecutive rows per prompt."""
-    prompts: list[list[int]]
-    examples: list[Example]
+    """This rank's rows of a step: G consecutive rows per prompt. `texts` and `judged` are None until scored."""
+    indices: list[int]  # each row's index into the training prompts
     samples: list[Sample]
-    texts: list[str]  # each completion decoded, as the judge reads it
-    judged: list[tuple[float, bool]]  # the task's (score, correct) of each row
+    texts: list[str] | None  # each completion decoded, as the judge reads it
+    judged: list[tuple[float, bool]] | None  # the task's (score, correct) of each row
     generate_s: float
     score_s: float
     refill: dict[str, float]  # --dynamic-sampling-rounds: this rank's counts (rounds, groups sampled, varied, filler)
 
 
 def sample_prompts(engine: object, run: LLMRun, step: int) -> SampledRows:
-    """This rank's rows of `step` sampled by `engine` and scored by the task. With --dynamic-sampling-rounds R
-    (DAPO, Yu et al., arXiv:2503.14476, eq. 11: train only on groups that are neither all right nor all wrong),
-    a group whose G scores are all equal has no advantage to learn from: it is dropped, and up to R further rounds
-    of prompts (`rank_rows`) refill this rank's share; the varied groups are kept in the order they were drawn.
-    When the rounds run out first, the dropped groups fill the rest (zero advantage: they add no policy gradient),
-    so every rank trains on the same shapes; `refill` counts it. A refill round runs on every rank while any rank
-    still lacks groups (one small all-reduce per round); a rank already full joins it with no prompts."""
-    args, rows_per_rank = run.args, len(rank_rows(run, step)[0])
-    size, kept, dropped = args.num_generations, [], []  # groups: (prompts, examples, samples, texts, judged)
-    generate_s = score_s = 0.0
-    rounds = 0
-    for round in range(args.dynamic_sampling_rounds + 1):
+    """This rank's rows of `step` sampled by `engine` (scored later by `score_rows`). With --dynamic-sampling-rounds
+    R (DAPO, Yu et al., arXiv:2503.14476, eq. 11, which keeps the groups that are neither all right nor all wrong;
+    here: whose task scores are not all equal, the same for 0/1 rewards), each round is scored at once; a group whose G
+    scores are all equal has no advantage to learn from the task: it is dropped, and up to R further rounds of
+    prompts (`rank_rows`) refill this rank's share. Varied groups are kept in the order they were drawn. When the
+    rounds run out first, dropped groups fill the rest, so every rank trains on the same shapes (only the overlong
+    penalty and the KL term, when on, can still move them); `refill` counts it. A refill round runs on every rank
+    while any rank still lacks groups (one small all-reduce per round); a rank already full joins it with no prompts.
+    generate_s then includes the rounds' scoring and those waits."""
+    args, started = run.args, time.time()
+    indices, seeds = rank_rows(run, step)
+    if not args.dynamic_sampling_rounds:
+        samples = run_episodes(engine, run, [run.train_ids[i] for i in indices], [run.train[i] for i in indices],
+                               seeds, args.max_completion_length, args.temperature)
+        return SampledRows(indices, samples, None, None, time.time() - started, 0.0, {})
+    size, rows_per_rank, kept, dropped, rounds = args.num_generations, len(indices), [], [], 0
+    for refill_round in range(args.dynamic_sampling_rounds + 1):
         wanted = len(kept) * size < rows_per_rank
-        if round and all_ranks_ok(not wanted):  # a round for all or none: scoring is a collective
+        if refill_round and all_ranks_ok(not wanted):  # a round for all or none: scoring is a collective
             break
-        started = time.time()
-        prompts, examples, seeds = rank_rows(run, step, round) if wanted else ([], [], [])
-        samples = run_episodes(engine, run, prompts, examples, seeds, args.max_completion_length, args.temperature)
-        scored = time.time()
-        texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
-        judged = score_samples(run.task, examples, samples, texts)
-        generate_s, score_s, rounds = generate_s + scored - started, score_s + time.time() - scored, rounds + wanted
-        if not args.dynamic_sampling_rounds:
-            return SampledRows(prompts, examples, samples, texts, judged, generate_s, score_s, {})
-        for first in range(0, len(samples), size):
-            group = [column[first:first + size] for column in (prompts, examples, samples, texts, judged)]
-            (kept if len({score for score, _ in group[4]}) > 1 else dropped).append(group)
+        indices, seeds = rank_rows(run, step, refill_round) if wanted else ([], [])
+        rows = score_rows(run, SampledRows(indices, run_episodes(
+            engine, run, [run.train_ids[i] for i in indices], [run.train[i] for i in indices], seeds,
+            args.max_completion_length, args.temperature), None, None, 0.0, 0.0, {}))
+        rounds += wanted
+        for first in range(0, len(indices), size):
+            group = [column[first:first + size] for column in (rows.indices, rows.samples, rows.texts, rows.judged)]
+            (kept if len({score for score, _ in group[3]}) > 1 else dropped).append(group)
     chosen = (kept + dropped)[:rows_per_rank // size]
-    columns = [[row for group in chosen for row in group[c]] for c in range(5)]
     refill = {"rounds": rounds, "sampled_groups": len(kept) + len(dropped), "varied_groups": len(kept),
               "filler_groups": max(0, rows_per_rank // size - len(kept))}
-    return SampledRows(*columns, generate_s, score_s, refill)
+    return SampledRows(*([row for group in chosen for row in group[c]] for c in range(4)), time.time() - started,
+                       0.0, refill)
+
+
+def score_rows(run: LLMRun, rows: SampledRows) -> SampledRows:
+    """Decode and score the rows by the task (a collective on every rank), unless that is done."""
+    if rows.judged is None:
+        started = time.time()
+        rows.texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in rows.samples]
+        rows.judged = score_samples(run.task, [run.train[i] for i in rows.indices], rows.samples, rows.texts)
+        rows.score_s += time.time() - started
+    return rows
 
 
 def generate(engine: object, run: LLMRun, step: int) -> Rollout:
-    """This rank's rows of `step`, sampled and scored (`sample_prompts`), then the engine sleeps (on CUDA this frees
-    its memory for training). Split layout: the same rows, sampled and scored by the rollout ranks."""
+    """This rank's rows of `step` (`sample_prompts`), then the engine sleeps (on CUDA this frees its memory for
+    training) and the task scores every completion. Split layout: the same rows, sampled and scored by the rollout
+    ranks."""
     started = time.time()
-    version, rollout_timings = step - 1, []
+    version, rollout_timings, refill = step - 1, [], None
     if isinstance(engine, RemoteRollouts):
         payloads = engine.batch(step)
-        prompts, examples, _ = rank_rows(run, step)
-        if "prompts" in payloads[0]:  # dynamic sampling refilled them: other prompts than the step's own
-            prompts, examples = ([row for payload in payloads for row in payload[k]] for k in ("prompts", "examples"))
+        indices = [i for payload in payloads for i in payload["indices"]] if "indices" in payloads[0] else \
+            rank_rows(run, step)[0]  # the rows of the step's own prompts, unless dynamic sampling refilled them
         samples = [sample for payload in payloads for sample in payload["samples"]]
         version, rollout_timings = payloads[0]["version"], [payload["timings"] for payload in payloads]
         seconds = max(timings["generate_s"] for timings in rollout_timings)
     else:
         rows = sample_prompts(engine, run, step)
-        prompts, examples, samples, seconds = rows.prompts, rows.examples, rows.samples, rows.generate_s
+        indices, samples, seconds, refill = rows.indices, rows.samples, rows.generate_s, rows.refill
         engine.sleep()
+    prompts, examples = [run.train_ids[i] for i in indices], [run.train[i] for i in indices]
     generated = time.time()
     # The step's first collective: every rank's lengths (for token balancing and the timings); this rank waits here
     # for the slowest generator
@@ -538,6 +547,7 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
             "correct", [score >= 1 for score in payload["scores"]]))]
         score_s = time.time() - gathered
     else:
+        rows = score_rows(run, rows)
         texts, judged, score_s = rows.texts, rows.judged, rows.score_s
     scores = torch.tensor([float(score) for score, _ in judged])
     correct = torch.tensor([float(right) for _, right in judged])
@@ -545,7 +555,7 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
                "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
     return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, correct, lengths,
                    started, seconds, timings, step, version, rollout_timings,
-                   rollout_metrics(run, samples, rows.refill if not rollout_timings else None, rollout_timings))
+                   rollout_metrics(run, samples, refill, rollout_timings))
 
 
 def rollout_metrics(run: LLMRun, samples: list[Sample], refill: dict[str, float] | None,

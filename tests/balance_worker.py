@@ -47,7 +47,7 @@ def loss_and_gradient(policy: torch.nn.Module, run: LLMRun, rollout: Rollout, ad
     for batch, rows in zip(micro_batches(rollout, pieces, run, share_prompts), pieces):
         logprobs = token_logprobs(policy, batch, 1.0)
         old = batch.rollout_logprobs - 0.1
-        per_token = grpo_token_loss(torch.exp(logprobs - old), truncated_is_weight(old, batch.rollout_logprobs, 2.0),
+        per_token = grpo_token_loss(logprobs - old, truncated_is_weight(old, batch.rollout_logprobs, 2.0),
                                     logprobs, None, advantages[list(rows), None], 0.2, 0.28, 0.0)
         loss = aggregate_loss(per_token, batch.mask, "dapo", num_sequences, num_tokens, 40)
         (loss * dist.get_world_size()).backward()

@@ -148,18 +148,15 @@ def test_end_to_end_torchrun_vllm(dpo_reference_run: Path):
     assert all("eval/accuracy" in metrics[i] for i in (0, 2, 4))
 
 
-def test_same_seed_identical_on_two_nodes_and_different_seed_differs(dpo_reference_run: Path, tmp_path: Path):
-    """The same seed launched as two nodes (two torchrun agents, c10d rendezvous) equals the one-agent run."""
+def test_same_seed_identical_on_two_nodes(dpo_reference_run: Path, tmp_path: Path):
+    """The same seed launched as two nodes (two torchrun agents, c10d rendezvous) equals the one-agent run (that
+    another seed gives other bits is GRPO's test in tests/test_reproducibility.py: the seeding is shared)."""
     for agent in run_agents("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--run-root", str(tmp_path / "a")]):
         check(agent)
     again = only_run_dir(tmp_path / "a")
     assert_two_node_manifest(again)
     assert filecmp.cmp(again / "metrics.jsonl", dpo_reference_run / "metrics.jsonl", shallow=False)
     assert final_hash(again) == final_hash(dpo_reference_run)
-    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "2", "--run-root", str(tmp_path / "b")], nproc=2))
-    other = only_run_dir(tmp_path / "b")
-    assert final_hash(other) != final_hash(dpo_reference_run)
-    assert read_metrics(other)[1:] != read_metrics(dpo_reference_run)[1:]
 
 
 def test_resume_equals_uninterrupted_run(dpo_reference_run: Path, tmp_path: Path):

@@ -183,7 +183,7 @@ def test_the_loss_counts_the_model_tokens_only(model, share_prompts):
     logprobs = token_logprobs(model, batch, 1.0)
     assert (logprobs[0, 3:6] == 0).all() and (logprobs[0, [0, 1, 2, 6, 7]] != 0).all()
     advantages = torch.tensor([[1.5], [-0.5]])
-    per_token = grpo_token_loss(torch.exp(logprobs - batch.rollout_logprobs), torch.ones_like(logprobs), logprobs,
+    per_token = grpo_token_loss(logprobs - batch.rollout_logprobs, torch.ones_like(logprobs), logprobs,
                                 None, advantages, 0.2, 0.28, 0.0)
     loss = aggregate_loss(per_token, batch.mask, "dapo", 2, 7, 8)
 
@@ -201,7 +201,7 @@ def test_the_loss_counts_the_model_tokens_only(model, share_prompts):
 
     unmasked = make_batch(prompts, completions, 0, torch.device("cpu"), share_prompts, old)
     unmasked_logprobs = token_logprobs(model, unmasked, 1.0)
-    control = aggregate_loss(grpo_token_loss(torch.exp(unmasked_logprobs - unmasked.rollout_logprobs),
+    control = aggregate_loss(grpo_token_loss(unmasked_logprobs - unmasked.rollout_logprobs,
                                              torch.ones_like(logprobs), unmasked_logprobs, None, advantages, 0.2, 0.28,
                                              0.0), unmasked.mask, "dapo", 2, 10, 8)
     assert abs(float(control.detach()) - float(loss.detach())) > 1e-3

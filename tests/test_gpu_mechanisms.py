@@ -59,7 +59,7 @@ def _grpo_update_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     logprobs = token_logprobs(model, batch, temperature=0.7)
     advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
     weight = truncated_is_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
-    per_token = grpo_token_loss(torch.exp(logprobs - logprobs.detach()), weight, logprobs, None, advantages, 0.2,
+    per_token = grpo_token_loss(logprobs - logprobs.detach(), weight, logprobs, None, advantages, 0.2,
                                 0.28, 0.0)
     aggregate_loss(per_token, batch.mask, "dapo", 4, int(batch.mask.sum()), 4).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

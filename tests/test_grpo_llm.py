@@ -21,7 +21,7 @@ from grpo_llm import (
     k3_kl,
     rollout_correction,
     sequence_mask,
-    token_ratio,
+    token_log_ratio,
     truncated_is_weight,
 )
 
@@ -50,9 +50,9 @@ def test_clipped_surrogate_by_hand():
     old = torch.zeros(4)
     logprobs = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5]))  # ratios
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    ratio = token_ratio(logprobs, old, torch.ones(4))
-    loss = clipped_surrogate(ratio, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
-    clipped = clip_active(ratio, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
+    log_ratio = token_log_ratio(logprobs, old, torch.ones(4))
+    loss = clipped_surrogate(log_ratio, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
+    clipped = clip_active(log_ratio, advantages, clip_eps_low=0.2, clip_eps_high=0.28)
     # ratio 1.5, A=+1: min(1.5, 1.28) -> clipped; A=-1: min(-1.5, -1.28) = -1.5 -> not clipped
     # ratio 0.5, A=+1: min(0.5, 0.8) = 0.5 -> not clipped; A=-1: min(-0.5, -0.8) = -0.8 -> clipped
     torch.testing.assert_close(loss, torch.tensor([-1.28, 1.5, -0.5, 0.8]))
@@ -61,7 +61,7 @@ def test_clipped_surrogate_by_hand():
 
 def test_clipped_surrogate_gradient_is_policy_gradient_at_ratio_one():
     logprobs = torch.tensor([-1.0, -2.0], requires_grad=True)
-    loss = clipped_surrogate(token_ratio(logprobs, logprobs.detach(), None), torch.tensor([2.0, -3.0]), 0.2, 0.2)
+    loss = clipped_surrogate(token_log_ratio(logprobs, logprobs.detach(), None), torch.tensor([2.0, -3.0]), 0.2, 0.2)
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([-2.0, 3.0]))  # d(-ratio*A)/dlogp = -A at ratio 1
 
@@ -118,8 +118,8 @@ def test_grpo_loss_combines_surrogate_tis_and_kl_by_hand():
     ref = torch.log(torch.tensor([[0.25, 0.25]]))  # k3 = 0.5 - log(0.5) - 1, then 0
     mask = torch.ones(1, 2)
     weight = rollout_correction(logprobs.detach(), rollout, mask, tis_cap=1.5, seq_mask_cap=0.0)
-    ratio = token_ratio(logprobs, logprobs.detach(), mask)
-    per_token = grpo_token_loss(ratio, weight, logprobs, ref, torch.tensor([[2.0]]), clip_eps_low=0.2,
+    log_ratio = token_log_ratio(logprobs, logprobs.detach(), mask)
+    per_token = grpo_token_loss(log_ratio, weight, logprobs, ref, torch.tensor([[2.0]]), clip_eps_low=0.2,
                                 clip_eps_high=0.28, beta=0.1)
     loss = aggregate_loss(per_token, mask, "dapo", num_sequences=1, num_tokens=2, max_completion_length=8)
     k3 = 0.5 - math.log(0.5) - 1
@@ -127,7 +127,7 @@ def test_grpo_loss_combines_surrogate_tis_and_kl_by_hand():
     # the statistics the loop logs next to it: the mean TIS weight and k3 KL, no clip at ratio 1
     assert (truncated_is_weight(logprobs, rollout, 1.5) * mask).sum().item() / 2 == pytest.approx(1.25)
     assert (k3_kl(logprobs, ref) * mask).sum().item() / 2 == pytest.approx(k3 / 2)
-    assert clip_active(ratio, torch.tensor([[2.0]]), 0.2, 0.28).sum().item() == 0.0
+    assert clip_active(log_ratio, torch.tensor([[2.0]]), 0.2, 0.28).sum().item() == 0.0
     loss.backward()  # d/dlogp of -ratio*A*w at ratio 1 is -A*w; of beta*k3 is beta*(1 - pi_ref/pi)
     torch.testing.assert_close(logprobs.grad, torch.tensor([[(-2 * 1.5 + 0.1 * (1 - 0.5)) / 2, -2 / 2]]))
 
@@ -151,7 +151,7 @@ def test_sequence_mask_by_hand():
 
 def test_grpo_loss_masks_padding():
     logprobs = torch.zeros(1, 3, requires_grad=True)
-    per_token = grpo_token_loss(token_ratio(logprobs, logprobs.detach(), None), torch.ones(1, 3), logprobs, None,
+    per_token = grpo_token_loss(token_log_ratio(logprobs, logprobs.detach(), None), torch.ones(1, 3), logprobs, None,
                                 torch.tensor([[1.0]]), 0.2, 0.28, 0.0)
     loss = aggregate_loss(per_token, torch.tensor([[1.0, 0.0, 0.0]]), "dapo", num_sequences=1, num_tokens=1,
                           max_completion_length=8)

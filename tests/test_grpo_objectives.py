@@ -27,8 +27,8 @@ from grpo_llm import (
     overlong_penalty,
     reinforce_pp_advantages,
     rloo_advantages,
-    sequence_ratio,
-    token_ratio,
+    sequence_log_ratio,
+    token_log_ratio,
     weight_clipped,
 )
 
@@ -45,13 +45,16 @@ def test_rloo_advantages_by_hand():
 
 
 def test_reinforce_pp_advantages_by_hand():
-    scores = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
-    centred = torch.tensor([[0.5, -0.5], [0.0, 0.0]])  # mean 0, sample std sqrt((0.25 + 0.25) / 3)
-    expected = centred / (math.sqrt(0.5 / 3) + 1e-4)
-    torch.testing.assert_close(reinforce_pp_advantages(scores), expected)
+    """Group-centred scores whitened over the batch's tokens: each completion counts as many times as it has tokens."""
+    scores, ones = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), torch.ones(2, 2)
+    centred = torch.tensor([[0.5, -0.5], [0.0, 0.0]])  # mean 0 over 4 equal completions, std sqrt(0.5 / 4)
+    torch.testing.assert_close(reinforce_pp_advantages(scores, ones), centred / (math.sqrt(0.5 / 4) + 1e-4))
+    lengths = torch.tensor([[1.0, 3.0], [2.0, 2.0]])  # 8 tokens: mean (0.5 - 1.5) / 8 = -1/8
+    deviation = centred + 1 / 8  # variance (0.625^2 + 3 x 0.375^2 + 4 x 0.125^2) / 8 = 0.109375
+    torch.testing.assert_close(reinforce_pp_advantages(scores, lengths), deviation / (math.sqrt(0.109375) + 1e-4))
     # a uniform shift of every score changes nothing; the group's own std does not enter (GRPO's would)
-    torch.testing.assert_close(reinforce_pp_advantages(scores + 3.0), expected)
-    assert not torch.allclose(reinforce_pp_advantages(scores), group_advantages(scores, "group"))
+    torch.testing.assert_close(reinforce_pp_advantages(scores + 3.0, lengths), reinforce_pp_advantages(scores, lengths))
+    assert not torch.allclose(reinforce_pp_advantages(scores, ones), group_advantages(scores, "group"))
 
 
 # ---------------------------------------------------------------- ratios and surrogates
@@ -62,7 +65,7 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
 def test_sequence_ratio_is_the_geometric_mean_with_gspo_gradient():
     old = torch.zeros(2, 3)
     logprobs = torch.tensor([[math.log(2), math.log(8), 9.0], [0.1, -0.4, 0.6]], requires_grad=True)
-    ratio = sequence_ratio(logprobs, old, MASK)
+    ratio = torch.exp(sequence_log_ratio(logprobs, old, MASK))
     # every token carries its sequence's exp(mean log ratio) over real tokens: sqrt(2 * 8) = 4 (padding not counted)
     torch.testing.assert_close(ratio.detach(), torch.tensor([[4.0] * 3, [math.exp(0.1)] * 3]))
     weights = torch.tensor([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]])
@@ -78,7 +81,7 @@ def test_gspo_token_form_has_the_gradient_of_gspos_sequence_objective():
     start = torch.tensor([[-0.9, -1.95, 0.0], [-0.5, -0.6, -0.48]])
     advantages = torch.tensor([[1.0], [-2.0]])
     token_form = start.clone().requires_grad_()
-    per_token = clipped_surrogate(sequence_ratio(token_form, old, MASK), advantages, 0.03, 0.04)
+    per_token = clipped_surrogate(sequence_log_ratio(token_form, old, MASK), advantages, 0.03, 0.04)
     aggregate_loss(per_token, MASK, "grpo", num_sequences=2, num_tokens=5, max_completion_length=3).backward()
     sequence_form = start.clone().requires_grad_()
     s = torch.exp(((sequence_form - old) * MASK).sum(-1, keepdim=True) / MASK.sum(-1, keepdim=True))
@@ -91,7 +94,7 @@ def test_gspo_with_one_update_is_grpo_with_sequence_means():
     logprobs = torch.tensor([[-0.7, -1.2, 0.0], [-0.3, -2.0, -1.1]], requires_grad=True)
     advantages = torch.tensor([[1.5], [-0.5]])
     grads = []
-    for ratio_of in (sequence_ratio, token_ratio):
+    for ratio_of in (sequence_log_ratio, token_log_ratio):
         logprobs.grad = None
         per_token = clipped_surrogate(ratio_of(logprobs, logprobs.detach(), MASK), advantages, 3e-4, 4e-4)
         aggregate_loss(per_token, MASK, "grpo", 2, 5, 3).backward()
@@ -103,17 +106,23 @@ def test_gspo_with_one_update_is_grpo_with_sequence_means():
 def test_cispo_keeps_the_gradient_of_clipped_tokens():
     ratio_values = torch.tensor([1.5, 0.5, 1.1, 0.5])
     advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    log_ratio = torch.log(ratio_values).requires_grad_()
-    loss = cispo_surrogate(token_ratio(log_ratio, torch.zeros(4), None), advantages, 0.2, 0.28)
+    logprobs = torch.log(ratio_values).requires_grad_()  # against old logprobs of 0
+    loss = cispo_surrogate(token_log_ratio(logprobs, torch.zeros(4), None), advantages, 0.2, 0.28)
     torch.testing.assert_close(loss.detach(), torch.tensor([-1.28, -0.8, 1.1, 0.8]))  # -clip(r) A
     loss.sum().backward()
-    torch.testing.assert_close(log_ratio.grad, torch.tensor([-1.28, -0.8, 1.1, 0.8]))  # -clip(r) A, every token
-    assert weight_clipped(ratio_values, advantages, 0.2, 0.28).tolist() == [1.0, 1.0, 0.0, 1.0]
+    torch.testing.assert_close(logprobs.grad, torch.tensor([-1.28, -0.8, 1.1, 0.8]))  # -clip(r) A, every token
+    assert weight_clipped(torch.log(ratio_values), advantages, 0.2, 0.28).tolist() == [1.0, 1.0, 0.0, 1.0]
     # the clipped surrogate gives the first and last token no gradient at all
-    log_ratio.grad = None
-    clipped_surrogate(token_ratio(log_ratio, torch.zeros(4), None), advantages, 0.2, 0.28).sum().backward()
-    torch.testing.assert_close(log_ratio.grad, torch.tensor([0.0, -0.5, 1.1, 0.0]))
-    assert clip_active(ratio_values, advantages, 0.2, 0.28).tolist() == [1.0, 0.0, 0.0, 1.0]
+    logprobs.grad = None
+    clipped_surrogate(token_log_ratio(logprobs, torch.zeros(4), None), advantages, 0.2, 0.28).sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([0.0, -0.5, 1.1, 0.0]))
+    assert clip_active(torch.log(ratio_values), advantages, 0.2, 0.28).tolist() == [1.0, 0.0, 0.0, 1.0]
+    # a ratio far below exp(-103) (float32's smallest) stays finite: weight 1 - eps_low, the gradient of log pi
+    far = torch.tensor([-120.0], requires_grad=True)
+    loss = cispo_surrogate(token_log_ratio(far, torch.zeros(1), None), torch.tensor([2.0]), 0.2, 0.28)
+    loss.sum().backward()
+    torch.testing.assert_close(loss.detach(), torch.tensor([-1.6]))
+    torch.testing.assert_close(far.grad, torch.tensor([-1.6]))
 
 
 def test_overlong_penalty_by_hand():
@@ -131,7 +140,7 @@ def test_overlong_penalty_by_hand():
     ({"num_minibatches": 2, "balance_tokens": True}, "--balance-tokens plans one batch"),
     ({"importance_sampling_level": "sequence"}, "needs --loss-type grpo, got dapo"),
     ({"advantage": "rloo", "scale_advantages": "none"}, "--scale-advantages belongs to --advantage group"),
-    ({"advantage": "rloo", "num_generations": 1}, "--advantage rloo --scale-advantages group needs"),
+    ({"advantage": "rloo", "num_generations": 1}, "--num-generations must be at least 2"),
     ({"dynamic_sampling_rounds": 2, "num_generations": 1, "scale_advantages": "none"},
      "--dynamic-sampling-rounds must be non-negative, and needs --num-generations of at least 2"),
     ({"overlong_buffer": 9}, "--overlong-buffer must be in [0, --max-completion-length], got 9"),
@@ -170,13 +179,14 @@ def fake_run(rounds: int, task: ParityTask) -> SimpleNamespace:
                            eos_ids=[tokenizer.eos_token_id])
 
 
-def drawn(engine: FakeEngine, run: SimpleNamespace, step: int, round: int) -> list[tuple]:
-    """Round `round`'s groups as the engine and the task give them: (prompt ids, completion ids, scores) per group."""
-    prompts, examples, seeds = rank_rows(run, step, round)
-    samples = engine.generate(prompts, seeds, 8, 1.0, run.eos_ids)
-    scores = [run.task.reward(decode_completion(run.tokenizer, s.completion_ids, run.eos_ids), e)
-              for s, e in zip(samples, examples)]
-    return [(prompts[i], [s.completion_ids for s in samples[i:i + 2]], scores[i:i + 2])
+def drawn(engine: FakeEngine, run: SimpleNamespace, step: int, refill_round: int) -> list[tuple]:
+    """A round's groups as the engine and the task give them: (prompt index, completion ids, scores) per group."""
+    indices, seeds = rank_rows(run, step, refill_round)
+    samples = engine.generate([run.train_ids[i] for i in indices], seeds, run.args.max_completion_length, 1.0,
+                              run.eos_ids)
+    scores = [run.task.reward(decode_completion(run.tokenizer, s.completion_ids, run.eos_ids), run.train[i])
+              for s, i in zip(samples, indices)]
+    return [(indices[i], [s.completion_ids for s in samples[i:i + 2]], scores[i:i + 2])
             for i in range(0, len(samples), 2)]
 
 
@@ -184,11 +194,11 @@ def test_dynamic_sampling_keeps_varied_groups_in_draw_order_and_fills_when_the_r
     engine = FakeEngine(vocab_size=20, tau0_s=0.0, median_length=4.0, sigma=0.8)
     run = fake_run(3, ParityTask())
     rows = sample_prompts(engine, run, step=5)
-    groups = [group for round in range(4) for group in drawn(engine, run, 5, round)]
+    groups = [group for refill_round in range(4) for group in drawn(engine, run, 5, refill_round)]
     varied = [group for group in groups if len(set(group[2])) > 1]
     rounds_needed = next(r + 1 for r in range(4) if len([g for g in groups[:8 * (r + 1)] if len(set(g[2])) > 1]) >= 8)
     assert 1 < rounds_needed <= 4  # the parity scores need a refill round here, and get enough within three
-    assert rows.prompts[::2] == [g[0] for g in varied[:8]]
+    assert rows.indices[::2] == [g[0] for g in varied[:8]] and rows.indices[::2] == rows.indices[1::2]
     assert [s.completion_ids for s in rows.samples] == [ids for g in varied[:8] for ids in g[1]]
     assert [score for score, _ in rows.judged] == [score for g in varied[:8] for score in g[2]]
     assert rows.refill == {"rounds": rounds_needed, "sampled_groups": 8 * rounds_needed,
@@ -200,11 +210,11 @@ def test_dynamic_sampling_keeps_varied_groups_in_draw_order_and_fills_when_the_r
     zero = fake_run(2, ParityTask(always_zero=True))  # no group ever varies: every round, then the first groups
     rows = sample_prompts(engine, zero, step=5)
     assert rows.refill == {"rounds": 3, "sampled_groups": 24, "varied_groups": 0, "filler_groups": 8}
-    assert rows.prompts == rank_rows(zero, 5)[0] and len(rows.samples) == 16
+    assert rows.indices == rank_rows(zero, 5)[0] and len(rows.samples) == 16
 
     off = fake_run(0, ParityTask())
     rows = sample_prompts(engine, off, step=5)
-    assert rows.refill == {} and rows.prompts == rank_rows(off, 5)[0]
+    assert rows.refill == {} and rows.judged is None and rows.indices == rank_rows(off, 5)[0]
     assert [s.completion_ids for s in rows.samples] == [ids for g in drawn(engine, off, 5, 0) for ids in g[1]]
 
 

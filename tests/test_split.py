@@ -123,6 +123,7 @@ def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
     checkpoint = plain / "checkpoints" / "step_00000002"
     in_flight = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["in_flight"][0]
     assert in_flight[0]["version"] == 1 and len(in_flight[0]["samples"]) == 16 * 4  # step 3's batch, trainer 0's rows
+    assert len(in_flight[0]["indices"]) == 16 * 4  # and the prompts they answer (dynamic sampling refills)
 
     check(run_one_step_off(tmp_path / "slow_rollout", [], {"SLOW_RANK": "1", "SLOW_GENERATE_S": "2.0"}))
     slow_rollout = only_run_dir(tmp_path / "slow_rollout")
