@@ -145,7 +145,7 @@ def group_advantages(scores: torch.Tensor, scale_advantages: str, eps: float = 1
 
 
 def rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
-    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al., arXiv:2402.14740, sec. 3.3): the baseline of
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al., arXiv:2402.14740): the baseline of
     completion i is the mean of its group's other G - 1 scores, A_i = r_i - (sum_j r_j - r_i) / (G - 1), which is
     G / (G - 1) times GRPO's unscaled advantage (--scale-advantages none). Unbiased: no r_i in its own baseline."""
     return scores - (scores.sum(dim=1, keepdim=True) - scores) / (scores.shape[1] - 1)

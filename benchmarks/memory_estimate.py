@@ -145,8 +145,8 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
         logprobs = token_logprobs(policy, batch, 1.0)
         if script == "grpo":
             is_weight = truncated_is_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
-            per_token = grpo_token_loss(logprobs, logprobs.detach(), is_weight, None, torch.ones(rows, 1), 0.2,
-                                        0.28, 0.0)
+            per_token = grpo_token_loss(logprobs - logprobs.detach(), is_weight, logprobs, None, torch.ones(rows, 1),
+                                        0.2, 0.28, 0.0)
             loss = aggregate_loss(per_token, batch.mask, "dapo", rows, int(num_tokens), batch.mask.shape[1])
         elif script == "dpo":
             loss = dpo_loss(sequence_logprobs(logprobs, batch.mask, "sigmoid"),
@@ -156,8 +156,8 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
             on_forward(value_model)
             values = predicted_values(value_model, batch)
             is_weight = truncated_is_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
-            loss = (policy_loss(logprobs, logprobs.detach(), is_weight, torch.ones_like(logprobs), batch.mask, 0.2,
-                                num_tokens)
+            loss = (policy_loss(torch.exp(logprobs - logprobs.detach()), is_weight, torch.ones_like(logprobs),
+                                batch.mask, 0.2, num_tokens)
                     + 0.1 * value_loss(values, values.detach(), torch.zeros_like(values), batch.mask, 0.5, num_tokens))
         loss.backward()
     for model, optimizer in optimizers:  # common/models.py's optimizer_step, without reading the norm's value

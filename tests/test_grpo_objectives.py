@@ -117,6 +117,14 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
     clipped_surrogate(token_log_ratio(logprobs, torch.zeros(4), None), advantages, 0.2, 0.28).sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([0.0, -0.5, 1.1, 0.0]))
     assert clip_active(torch.log(ratio_values), advantages, 0.2, 0.28).tolist() == [1.0, 0.0, 0.0, 1.0]
+    # with one update per batch (ratio 1) CISPO's gradient is the clipped surrogate's, REINFORCE's: -A
+    grads = []
+    for surrogate in (cispo_surrogate, clipped_surrogate):
+        logprobs.grad = None
+        surrogate(token_log_ratio(logprobs, logprobs.detach(), None), advantages, 0.2, 0.28).sum().backward()
+        grads.append(logprobs.grad.clone())
+    torch.testing.assert_close(grads[0], -advantages)
+    torch.testing.assert_close(grads[1], -advantages)
     # a ratio far below exp(-103) (float32's smallest) stays finite: weight 1 - eps_low, the gradient of log pi
     far = torch.tensor([-120.0], requires_grad=True)
     loss = cispo_surrogate(token_log_ratio(far, torch.zeros(1), None), torch.tensor([2.0]), 0.2, 0.28)
