@@ -482,22 +482,23 @@ def sample_prompts(engine: object, run: LLMRun, step: int) -> SampledRows:
     while any rank still lacks groups (one small all-reduce per round); a rank already full joins it with no prompts.
     generate_s then includes the rounds' scoring and those waits."""
     args, started = run.args, time.time()
-    indices, seeds = rank_rows(run, step)
-    if not args.dynamic_sampling_rounds:
+
+    def sampled(indices: list[int], seeds: list[int]) -> SampledRows:
         samples = run_episodes(engine, run, [run.train_ids[i] for i in indices], [run.train[i] for i in indices],
                                seeds, args.max_completion_length, args.temperature)
         return SampledRows(indices, samples, None, None, time.time() - started, 0.0, {})
+
+    indices, seeds = rank_rows(run, step)
+    if not args.dynamic_sampling_rounds:
+        return sampled(indices, seeds)
     size, rows_per_rank, kept, dropped, rounds = args.num_generations, len(indices), [], [], 0
     for refill_round in range(args.dynamic_sampling_rounds + 1):
         wanted = len(kept) * size < rows_per_rank
         if refill_round and all_ranks_ok(not wanted):  # a round for all or none: scoring is a collective
             break
-        indices, seeds = rank_rows(run, step, refill_round) if wanted else ([], [])
-        rows = score_rows(run, SampledRows(indices, run_episodes(
-            engine, run, [run.train_ids[i] for i in indices], [run.train[i] for i in indices], seeds,
-            args.max_completion_length, args.temperature), None, None, 0.0, 0.0, {}))
+        rows = score_rows(run, sampled(*(rank_rows(run, step, refill_round) if wanted else ([], []))))
         rounds += wanted
-        for first in range(0, len(indices), size):
+        for first in range(0, len(rows.indices), size):
             group = [column[first:first + size] for column in (rows.indices, rows.samples, rows.texts, rows.judged)]
             (kept if len({score for score, _ in group[3]}) > 1 else dropped).append(group)
     chosen = (kept + dropped)[:rows_per_rank // size]
