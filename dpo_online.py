@@ -42,7 +42,7 @@ from common.llm_run import (
     start_training,
     sync_weights,
 )
-from common.models import load_model, make_optimizer, optimizer_step
+from common.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.scoring import RewardModel, check_scalar_head
 
 
@@ -174,13 +174,15 @@ if __name__ == "__main__":
         batches = micro_batches(rollout, [[chosen_rows[p] for p in pairs] + [rejected_rows[p] for p in pairs]
                                           for pairs in pieces], run)
         totals = Totals()
-        for batch, micro_preferred in zip(batches, preferred.to(device).split(max(1, args.micro_batch_size // 2))):
+        for m, (batch, micro_preferred) in enumerate(zip(batches, preferred.to(device).split(
+                max(1, args.micro_batch_size // 2)))):
             with torch.no_grad():  # the reference, no graph
                 ref_logprobs = token_logprobs(reference, batch, 1.0)
             logprobs = token_logprobs(policy, batch, 1.0)
             loss = dpo_loss(sequence_logprobs(logprobs, batch.mask, args.loss_type),
                             sequence_logprobs(ref_logprobs, batch.mask, args.loss_type), micro_preferred, args.beta,
                             args.loss_type, num_preferred)
+            all_reduce_at_last(m == len(batches) - 1, policy)  # HSDP: across nodes once per update
             (loss * world_size).backward()
             with torch.no_grad():  # --- diagnostics: implicit rewards over preferred pairs; engine vs trainer ---
                 chosen_reward, rejected_reward = implicit_rewards(logprobs.sum(-1), ref_logprobs.sum(-1), args.beta)

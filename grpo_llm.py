@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
-from common.batching import PACKED_ATTENTION, mismatch_stats, token_logprobs
+from common.batching import PACKED_ATTENTION, PADDED_ATTENTION, mismatch_stats, token_logprobs
 from common.distributed import Totals, fail, reduce_stats
 from common.llm_run import (
     LLMArgs,
@@ -48,7 +48,7 @@ from common.llm_run import (
     start_training,
     sync_weights,
 )
-from common.models import load_model, make_optimizer, optimizer_step
+from common.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 
 
 @dataclass
@@ -279,7 +279,7 @@ if __name__ == "__main__":
 
     # --- models: the policy and, with --beta > 0, the frozen reference (the run's starting model, also on resume)
     # packed rows (--share-prompts) attend through FlexAttention's block mask on GPUs, through SDPA on CPU
-    attention = PACKED_ATTENTION if args.share_prompts and device.type == "cuda" else "sdpa"
+    attention = PACKED_ATTENTION if args.share_prompts and device.type == "cuda" else PADDED_ATTENTION
     policy = load_model(args.model_name_or_path, args, device, attn_implementation=attention)
     reference = load_model(args.model_name_or_path, args, device, trainable=False, attn_implementation=attention) \
         if args.beta > 0 else None
@@ -315,7 +315,6 @@ if __name__ == "__main__":
         dist.all_gather(all_scores, scores)
         grouped = torch.cat(all_scores).view(args.prompts_per_step, args.num_generations)
         advantages = estimate_advantages(grouped, lengths.view(grouped.shape)).flatten().view(world_size, -1)[rank]
-        advantages = advantages.to(device)
         # --- minibatches: consecutive whole groups of this rank's rows, each cut into micro-batches ---
         minibatches = split(range(len(rollout.samples)), len(rollout.samples) // args.num_minibatches)
         counts = reduce_stats({"tokens": sum(s.model_tokens() for s in rollout.samples),  # the model's, not the env's
@@ -331,11 +330,12 @@ if __name__ == "__main__":
         pieces = [piece for minibatch in minibatches for piece in split(minibatch, args.micro_batch_size)]
         if args.balance_tokens:  # (PLUMBING) equal tokens per rank; the advantages travel with their completions
             rollout, advantages, pieces = balance_tokens(
-                rollout, run, advantages[:, None].cpu(), args.num_generations if args.share_prompts else 1,
+                rollout, run, advantages[:, None], args.num_generations if args.share_prompts else 1,
                 args.micro_batch_size, args.micro_batch_tokens)
-            advantages = advantages[:, 0].to(device)
+            advantages = advantages[:, 0]
         schedule = split(range(len(pieces)), len(pieces) // args.num_minibatches)  # each minibatch's micro-batches
         batches = micro_batches(rollout, pieces, run, args.share_prompts)
+        advantages = [advantages[list(piece), None].to(device) for piece in pieces]  # no copy in the loop: no host sync
         with torch.no_grad():  # pi_old (with mu k > 1: before the first of the updates) and pi_ref, once per batch
             old_logprobs = [token_logprobs(policy, b, args.temperature) if updates > 1 else None for b in batches]
             ref_logprobs = [token_logprobs(reference, b, args.temperature) if reference else None for b in batches]
@@ -345,7 +345,7 @@ if __name__ == "__main__":
             for u, in_minibatch in enumerate(schedule):
                 minibatch_tokens = int(counts[f"minibatch_tokens/{u}"])
                 for m in in_minibatch:
-                    batch, advantage = batches[m], advantages[list(pieces[m]), None]
+                    batch, advantage = batches[m], advantages[m]
                     logprobs = token_logprobs(policy, batch, args.temperature)
                     if old_logprobs[m] is None:  # one update: the policy before it is the one in this forward
                         old_logprobs[m] = logprobs.detach()
@@ -357,6 +357,7 @@ if __name__ == "__main__":
                                                 args.clip_eps_high, args.beta, surrogate)
                     loss = aggregate_loss(per_token, batch.mask, args.loss_type, minibatch_sequences,
                                           minibatch_tokens, args.max_completion_length)
+                    all_reduce_at_last(m == in_minibatch[-1], policy)  # HSDP: across nodes once per update
                     (loss * world_size).backward()
                     with torch.no_grad():  # --- diagnostics: shares of the minibatch's means, averaged over updates
                         clipped = clip_statistic(log_ratio, advantage, args.clip_eps_low, args.clip_eps_high)

@@ -47,7 +47,7 @@ from common.llm_run import (
     start_training,
     sync_weights,
 )
-from common.models import load_model, make_optimizer, optimizer_step
+from common.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.rollout import sample_seed
 from common.scoring import RewardModel, check_scalar_head
 
@@ -373,7 +373,7 @@ if __name__ == "__main__":
             minibatch_tokens = counts[f"minibatch_tokens/{update}"]
             indices = on_device[update].split(args.micro_batch_size)
             pieces = [rows.tolist() for rows in minibatch.split(args.micro_batch_size)]
-            for index, batch in zip(indices, micro_batches(rollout, pieces, run)):
+            for m, (index, batch) in enumerate(zip(indices, micro_batches(rollout, pieces, run))):
                 width = batch.mask.shape[1]
                 old, advantage, old_value, target = (t[index, :width] for t in (old_logprobs, advantages, old_values,
                                                                                 returns))
@@ -383,6 +383,7 @@ if __name__ == "__main__":
                 ratio = torch.exp(logprobs - old)  # pi / pi_old per token
                 pg_loss = policy_loss(ratio, is_weight, advantage, batch.mask, args.clip_eps, minibatch_tokens)
                 vf_loss = value_loss(values, old_value, target, batch.mask, args.clip_eps_value, minibatch_tokens)
+                all_reduce_at_last(m == len(pieces) - 1, policy, value_model)  # HSDP: across nodes once per update
                 ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
                 with torch.no_grad():  # --- diagnostics: shares of the minibatch's token means, averaged over updates
                     totals.add({name: (value * batch.mask).sum() / minibatch_tokens for name, value in {

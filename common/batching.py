@@ -12,9 +12,10 @@ of 512 prompt + 1,024 completion tokens:
   2.5 GB, as much again for their gradient, and rounded to bf16 (up to 0.06 nats off at |logit| 16-32). So the model
   runs up to its final hidden states, and the head runs inside `_ChosenTokenLogprob` in float32 on the rows that
   predict a real token, CHUNK_ROWS at a time: 256 x V x 4 B = 156 MB per float32 temporary (three at once in
-  backward), plus in backward a float32 copy of a bf16 head and its float32 gradient (V x H x 4 B = 0.54 GB each;
-  2.2 GB at 7B, H = 3,584). The hidden states it keeps are 8 x 1,024 x H x 2 B = 15 MB. The backward recomputes each
-  chunk's logits: one more head matmul, about 9% of a 0.5B model's training FLOPs.
+  backward), plus in backward the head's float32 gradient and one chunk's float32 contribution to it (V x H x 4 B =
+  0.54 GB each; 2.2 GB at 7B, H = 3,584); on CPUs also a float32 copy of a bf16 head (see _head_backward_mm). The
+  hidden states it keeps are 8 x 1,024 x H x 2 B = 15 MB. The backward recomputes each chunk's logits: one more
+  head matmul, about 9% of a 0.5B model's training FLOPs.
 - shared prompts (GRPO's G samples of a prompt in one packed row) save the prompt's G - 1 repeats, but attention
   then spans the packed row: at 512 + 8 x 1,025 tokens, 8,712^2 = 76M query-key pairs per row (a 76 MB boolean
   mask as a dense tensor) against 8 x 1,536^2 / 2 = 9.4M causal pairs for 8 padded rows. So the batch keeps [U, L]
@@ -199,6 +200,30 @@ def register_packed_attention() -> None:
     AttentionInterface.register(PACKED_ATTENTION, _flex_attention)
 
 
+PADDED_ATTENTION = "padded_sdpa"  # transformers' SDPA for padded rows, with a mask it never reads on the host
+
+
+def _padded_sdpa_mask(*args: object, **kwargs: object) -> torch.Tensor:
+    """transformers' SDPA mask without its skip: before building a mask it asks whether every position of the
+    padding mask is real (`padding_mask.all()`, read on the host), so that SDPA could run with is_causal instead; on
+    GPUs that read waits for every kernel queued, the previous micro-batch's backward included, at every forward.
+    Padded RL batches almost always have padding, so the mask was built anyway; here it always is."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+
+
+def register_padded_attention() -> None:
+    """Make PADDED_ATTENTION a name transformers' models accept as `attn_implementation`: SDPA's attention, and
+    _padded_sdpa_mask as its mask."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(PADDED_ATTENTION, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PADDED_ATTENTION, _padded_sdpa_mask)
+
+
 def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """hidden [rows, H] @ weight [V, H]^T in `dtype` (float32, or float64 for exactness checks). On CUDA a bf16
     weight is multiplied as stored with float32 output (cuBLAS accumulates in float32), so no float32 copy of it
@@ -206,6 +231,20 @@ def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype)
     if hidden.is_cuda and weight.dtype != dtype:
         return torch.mm(hidden, weight.t(), out_dtype=dtype)
     return hidden.to(dtype) @ weight.to(dtype).t()
+
+
+def _head_backward_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b with `dtype` (float32) output, for the head's two backward GEMMs (grad_logits @ W, grad_logits^T @
+    hidden: 2 x 2 x rows x V x H FLOPs). With a bf16 head, grad_logits arrives rounded to bf16, as every gradient of
+    the bf16 body is, and the products accumulate in float32: on CUDA one bf16 tensor-core GEMM with float32 output
+    (an H100's dense bf16 peak is about 990 TFLOP/s against about 67 in float32 with TF32 off: at 0.5B, 8 x 1,024
+    tokens, the two GEMMs are 4.5 TFLOP, about 70 ms in float32 and under 10 ms in bf16; NVIDIA's datasheet figures,
+    not measured here), and no float32 copy of the head (V x H x 4 B: 0.54 GB at 0.5B, 2.2 GB at 7B). Elsewhere
+    (CPUs have no mixed-dtype mm) the same bf16 values are multiplied in float32: the same products, another
+    summation order. A float32 head multiplies in float32, as before."""
+    if a.is_cuda and a.dtype == b.dtype != dtype:
+        return torch.mm(a, b, out_dtype=dtype)
+    return a.to(dtype) @ b.to(dtype)
 
 
 class _ChosenTokenLogprob(torch.autograd.Function):
@@ -233,17 +272,17 @@ class _ChosenTokenLogprob(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         hidden, weight, tokens, logsumexp = ctx.saved_tensors
         dtype = logsumexp.dtype
-        weight_full = weight.to(dtype)  # a float32 copy of a bf16 head while the backward runs (0.5B: 0.54 GB)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight_full)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
         vocabulary = torch.arange(weight.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
             probs = torch.exp(_head_logits(hidden[rows], weight, dtype) / ctx.temperature - logsumexp[rows, None])
             onehot = vocabulary[None, :] == tokens[rows, None]  # a comparison, not a scatter: deterministic on GPUs
             grad_logits = torch.where(onehot, 1 - probs, -probs) * (grad_out[rows, None] / ctx.temperature)
-            grad_hidden[rows] = (grad_logits @ weight_full).to(hidden.dtype)
-            grad_weight += grad_logits.t() @ hidden[rows].to(dtype)  # chunks in a fixed order: deterministic
+            grad_logits = grad_logits.to(weight.dtype)  # a bf16 head: the body's precision (see _head_backward_mm)
+            grad_hidden[rows] = _head_backward_mm(grad_logits, weight, dtype).to(hidden.dtype)
+            grad_weight += _head_backward_mm(grad_logits.t(), hidden[rows], dtype)  # fixed chunk order: deterministic
         return grad_hidden, grad_weight.to(weight.dtype), None, None
 
 

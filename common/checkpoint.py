@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from common.determinism import rng_states
-from common.distributed import all_ranks_ok, fail, save_group
+from common.distributed import fail, save_group
 from common.models import export_pretrained
 
 
@@ -192,25 +192,40 @@ def resume_mismatch(directory: Path, state: dict, args: object, world_size: int,
 
 
 def read_training_state(args: object, world_size: int, may_change: Iterable[str]) -> tuple[Path, dict]:
-    """The checkpoint `args.resume` names and its trainer_state.pt, refused with one message on every rank (decided
-    together, before any other collective) when a file of it is damaged (naming the previous complete checkpoint),
+    """The checkpoint `args.resume` names and this rank's view of its trainer_state.pt, refused with one message on
+    every rank (before any other collective) when a file of it is damaged (naming the previous complete checkpoint),
     when it was written at another world size, with other arguments than `args` (except `may_change`), or has
-    nothing left to run."""
-    directory, state, problem = None, {}, None
-    try:
-        directory = resolve_checkpoint(args.resume)
-    except FileNotFoundError as error:
-        problem = str(error)
-    if directory is not None:
-        damage = checkpoint_damage(directory)
-        if damage:
-            problem = f"checkpoint {directory} is damaged: {damage}. {resume_instead(directory)}"
-        else:
-            state = torch.load(directory / "trainer_state.pt", weights_only=False)
-            problem = resume_mismatch(directory, state, args, world_size, may_change)
-    if not all_ranks_ok(problem is None):  # a rank that sees another file system must not leave the rest waiting
-        fail(problem or "another rank cannot resume from this checkpoint; its message says why")
-    return directory, state
+    nothing left to run. Rank 0 alone reads and checks: the others receive its verdict, the shared fields, and their
+    own RNG states and in-flight batch (`rng`, `in_flight`: this rank's entries of the lists rank 0 saved). So
+    every other rank makes no file-system call here and unpickles nothing but its share: at N ranks the file holds N
+    RNG states and, with --max-staleness 1, every trainer's batch in flight, and N ranks each reading it whole and
+    statting every shard would be N^2 file-system operations on one shared file system."""
+    rank = dist.get_rank()
+    directory, problem, shares = None, None, [None] * dist.get_world_size()
+    if rank == 0:
+        try:
+            directory = resolve_checkpoint(args.resume)
+        except FileNotFoundError as error:
+            problem = str(error)
+        if directory is not None:
+            damage = checkpoint_damage(directory)
+            if damage:
+                problem = f"checkpoint {directory} is damaged: {damage}. {resume_instead(directory)}"
+            else:
+                state = torch.load(directory / "trainer_state.pt", weights_only=False)
+                problem = resume_mismatch(directory, state, args, world_size, may_change)
+                if problem is None:
+                    shared = {key: value for key, value in state.items() if key not in ("rng", "in_flight")}
+                    shares = [{**shared, "rng": state["rng"][r] if r < len(state["rng"]) else None,
+                               **({"in_flight": state["in_flight"][r] if r < len(state["in_flight"]) else None}
+                                  if "in_flight" in state else {})} for r in range(len(shares))]
+    verdict = [problem, directory]
+    dist.broadcast_object_list(verdict, src=0, group=save_group())
+    if verdict[0] is not None:
+        fail(verdict[0])
+    mine: list[object] = [None]
+    dist.scatter_object_list(mine, shares if rank == 0 else None, src=0, group=save_group())
+    return verdict[1], mine[0]
 
 
 def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
@@ -220,22 +235,24 @@ def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[tor
     (model, optimizer)}) with torch.distributed.checkpoint; the policy is exported loadable by transformers and vLLM;
     rank 0 adds trainer_state.pt (step, arguments, world size, every rank's RNG states, `extra`: state the
     algorithm carries between steps, e.g. an adaptive coefficient, and every rank's `in_flight`: the split layout's
-    batch already sampled for the next step, a few bytes per token)."""
+    batch already sampled for the next step, a few bytes per token). The RNG states and batches are gathered to rank
+    0 only (gather_object), not to every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    all_rng: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(all_rng, rng_states(), group=save_group())
-    all_in_flight: list[object] = [None] * dist.get_world_size()
+    is_writer = dist.get_rank() == 0
+    all_rng: list[object] | None = [None] * dist.get_world_size() if is_writer else None
+    dist.gather_object(rng_states(), all_rng, group_dst=0, group=save_group())
+    all_in_flight: list[object] | None = [None] * dist.get_world_size() if is_writer else None
     if in_flight is not None:
-        dist.all_gather_object(all_in_flight, in_flight, group=save_group())
+        dist.gather_object(in_flight, all_in_flight, group_dst=0, group=save_group())
 
     def write(directory: Path) -> None:
         state = {name: {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
                  for name, (model, optimizer) in trained.items()}
         dcp.save(state, checkpoint_id=str(directory / "trainer"), process_group=save_group())
         export_pretrained(trained["policy"][0], tokenizer, directory)
-        if dist.get_rank() == 0:
+        if is_writer:
             torch.save({"step": step, "args": asdict(args), "world_size": dist.get_world_size(), "rng": all_rng,
                         "extra": extra or {}, **({"in_flight": all_in_flight} if in_flight is not None else {})},
                        directory / "trainer_state.pt")

@@ -3,33 +3,61 @@
 import hashlib
 import os
 import random
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 
+def engine_environment(deterministic: bool, cuda: bool) -> dict[str, str]:
+    """The environment variables that must exist before CUDA, NCCL, Triton or vLLM start:
+    - CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO: cuBLAS's and NCCL's deterministic settings.
+    - VLLM_BATCH_INVARIANT (CUDA): vLLM's batch-invariant kernels, read when vLLM is imported.
+    - TRITON_F32_DEFAULT=ieee: vLLM's batch-invariant Triton matmuls call `tl.dot` without an input precision, and
+      Triton's NVIDIA default for float32 operands is tf32 (a 10-bit mantissa): on SM 8.x, where those kernels
+      replace aten's mm, every float32 matmul of the engine and the trainer would round like TF32 while
+      torch.backends say TF32 is off. Read at each kernel's compile (triton.knobs.language.fp32_default).
+    - VLLM_DISTRIBUTED_USE_SPLIT_GROUP=1 (CUDA, not a determinism setting): vLLM builds its groups with one
+      torch.distributed.split_group per group kind instead of a new_group per group, each of which, over a
+      device-bound default group, is a world-wide ncclCommSplit (about 10k of them at 1,024 ranks). It needs the
+      default group bound to a device, as init_distributed binds it on CUDA; on CPU (gloo, unbound) vLLM refuses it."""
+    wanted = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "TRITON_F32_DEFAULT": "ieee"} \
+        if deterministic else {}
+    if deterministic and cuda:
+        wanted["VLLM_BATCH_INVARIANT"] = "1"
+    if cuda:
+        wanted["VLLM_DISTRIBUTED_USE_SPLIT_GROUP"] = "1"
+    return wanted
+
+
 def seed_everything(seed: int, deterministic: bool = True) -> dict[str, object]:
-    """Seed python, numpy and torch; with `deterministic`, force deterministic kernels, turn TF32 off and set the
-    environment variables that must exist before CUDA, NCCL or vLLM start (so call it before any engine). Returns
-    the settings, for the manifest."""
-    wanted = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"} if deterministic else {}
-    if deterministic and torch.cuda.is_available():
-        wanted["VLLM_BATCH_INVARIANT"] = "1"  # batch-invariant vLLM kernels; read when vLLM is imported
+    """Seed python, numpy and torch; with `deterministic`, force deterministic kernels and turn TF32 off; set
+    `engine_environment` (so call it before any engine). Returns the settings, for the manifest.
+
+    Deterministic mode does not fill uninitialised memory: torch's default under use_deterministic_algorithms
+    writes NaN into every torch.empty (integers: their maximum), on CUDA a kernel launch per allocation, the
+    in-process vLLM engine's buffers included. The fill guards against kernels that read memory nobody wrote,
+    which no deterministic kernel does; a read of unwritten memory would make two runs differ, and the tests that
+    compare two runs bit for bit are the check."""
+    wanted = engine_environment(deterministic, torch.cuda.is_available())
     for key, value in wanted.items():
         os.environ.setdefault(key, value)
     seed_rngs(seed)
     torch.use_deterministic_algorithms(deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic
     if deterministic:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    return {"deterministic": deterministic, "seed": seed, **{key: os.environ[key] for key in wanted}}
+    return {"deterministic": deterministic, "seed": seed, "fill_uninitialized_memory": False,
+            **{key: os.environ[key] for key in wanted}}
 
 
 # Variables that decide determinism on GPUs; vLLM's batch-invariant mode rewrites several of the NCCL ones.
-DETERMINISM_ENV = ("CUBLAS_WORKSPACE_CONFIG", "VLLM_BATCH_INVARIANT", "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS",
-                   "NCCL_MAX_NCHANNELS", "NCCL_LAUNCH_MODE", "NCCL_NTHREADS", "VLLM_USE_V2_MODEL_RUNNER")
+DETERMINISM_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "VLLM_BATCH_INVARIANT", "TRITON_F32_DEFAULT",
+                   "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_LAUNCH_MODE",
+                   "NCCL_NTHREADS", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_DISTRIBUTED_USE_SPLIT_GROUP")
 
 
 def effective_determinism_env() -> dict[str, str]:
@@ -78,6 +106,21 @@ def reroute_composite_autograd(device_type: str) -> list[str]:
     return rerouted
 
 
+def engine_kernels_without_engine(device_type: str) -> bool:
+    """A split-layout trainer on CUDA in deterministic mode: install vLLM's batch-invariant kernels and settings in
+    this process, as a colocated trainer gets them from the engine it shares its process with (vLLM's worker calls
+    init_batch_invariance when it starts): its own mean.dim, softmax, log_softmax and bmm kernels on every NVIDIA
+    GPU, mm/addmm/matmul/linear on SM 8.x, the cuBLAS workspace and cuBLASLt choice on SM 9.x and later. Without
+    them split trainers compute other bits than colocated ones, and 1 + 1 at staleness 0 would equal the colocated
+    run on CPU only. Returns whether it installed them (never on CPU, where vLLM's mode overrides nothing)."""
+    if device_type != "cuda" or os.environ.get("VLLM_BATCH_INVARIANT") != "1":
+        return False
+    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
+
+    init_batch_invariance()
+    return True
+
+
 def seed_rngs(seed: int) -> None:
     """Python, numpy and torch (all devices). Call again after starting a vLLM engine: it reseeds them with its own."""
     random.seed(seed)
@@ -89,9 +132,14 @@ def parameter_hash(state: dict[str, torch.Tensor] | torch.nn.Module) -> str:
     """sha256 over names, dtypes, shapes and raw bytes of every tensor: equal hashes mean bitwise-equal weights."""
     if isinstance(state, torch.nn.Module):
         state = state.state_dict()
+    return hash_named_tensors((name, state[name].full_tensor() if hasattr(state[name], "full_tensor")  # FSDP2
+                               else state[name]) for name in sorted(state))
+
+
+def hash_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """parameter_hash's digest over (name, full tensor) pairs in the order given (parameter_hash: sorted names)."""
     digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].full_tensor() if hasattr(state[name], "full_tensor") else state[name]  # FSDP2: gather
+    for name, tensor in named:
         tensor = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")

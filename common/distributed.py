@@ -168,6 +168,25 @@ def all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     return out.view(size, *tensor.shape)
 
 
+def exchange(outgoing: list[list[float]], incoming_sizes: list[int], dtype: torch.dtype) -> list[float]:
+    """Point to point: `outgoing[p]` goes to rank p, `incoming_sizes[p]` values come from rank p; returns what came,
+    in rank order, this rank's own part copied locally. Only non-empty pairs exchange a message, over gloo (CPU
+    tensors): every rank knows the plan, so no rank posts a zero-byte send. An unequal-split all-to-all on NCCL
+    would post a send and a receive to every peer, and NCCL sets up a connection and buffers per peer and channel
+    the first time a pair exchanges (NCCL_BUFFSIZE, 4 MiB by default, per channel and direction): memory and
+    connection time growing with the world size, for bookkeeping built on the host anyway."""
+    rank = dist.get_rank()
+    received = [torch.zeros(size, dtype=dtype) for size in incoming_sizes]
+    requests = [dist.irecv(received[peer], src=peer) for peer, size in enumerate(incoming_sizes)
+                if size and peer != rank]
+    requests += [dist.isend(torch.tensor(values, dtype=dtype), dst=peer) for peer, values in enumerate(outgoing)
+                 if values and peer != rank]
+    for request in requests:
+        request.wait()
+    received[rank] = torch.tensor(outgoing[rank], dtype=dtype)
+    return [value for part in received for value in part.tolist()]
+
+
 def check_shared_filesystem(path: Path, create: bool) -> None:
     """Every rank must see what rank 0 writes at `path` (all ranks write checkpoint shards into the run directory and
     read them back on resume): rank 0 writes a fresh token file into `path` (created when `create`, else its nearest

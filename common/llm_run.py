@@ -25,7 +25,7 @@ from common.batching import TokenBatch, balanced_partition, contiguous_pieces, m
 from common.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
 from common.determinism import (
     effective_determinism_env,
-    parameter_hash,
+    engine_kernels_without_engine,
     python_kernels,
     reroute_composite_autograd,
     restore_rng_states,
@@ -36,6 +36,7 @@ from common.distributed import (
     all_gather_rows,
     all_ranks_ok,
     check_shared_filesystem,
+    exchange,
     fail,
     init_distributed,
     local_world_size,
@@ -52,7 +53,7 @@ from common.layout import (
     send_samples,
     split_world,
 )
-from common.models import fsdp_shard_size, stream_weights
+from common.models import final_parameter_hash, fsdp_shard_size, stream_weights
 from common.rollout import FakeEngine, Sample, engine_kind, make_engine, sample_seed
 from common.scoring import RewardModel, decode_completion, evaluate
 from common.tasks import TASK_HELP, Example, Task, TaskError, check_task_fits, make_task
@@ -198,7 +199,7 @@ class LLMRun:
     templated: bool  # the prompts (and a multi-turn task's replies) are written by the tokenizer's chat template
     pad_id: int
     resume_dir: Path | None
-    resume_state: dict | None  # the checkpoint's trainer_state.pt: step, args, world size, RNG states, extra state
+    resume_state: dict | None  # trainer_state.pt as this rank needs it: step, args, world size, extra, its RNG states
     layout: Layout | None  # the split layout's groups (--rollout-ranks); rank and world_size are then this side's
 
 
@@ -370,9 +371,9 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     if run.layout is None:
         engine = start_engine(run)
     else:  # the rollout ranks' engines, behind the schedule; with S = 1 the checkpoint holds the batch in flight
-        in_flight = run.resume_state.get("in_flight") if start_step else None
         engine = RemoteRollouts(run.layout, args.prompts_per_step * args.num_generations, args.total_steps,
-                                in_flight[run.rank] if in_flight else None)
+                                run.resume_state.get("in_flight") if start_step else None)
+        engine_kernels_without_engine(run.device.type)  # a colocated trainer's kernels, with no engine in process
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
     rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
     if start_step:  # after the engine, whose start would overwrite the restored RNG states
@@ -380,7 +381,7 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
         for scheduler in schedulers:  # a pure function of the update count
             for _ in range(start_step * updates_per_step):
                 scheduler.step()
-        restore_rng_states(run.resume_state["rng"][run.rank])
+        restore_rng_states(run.resume_state["rng"])
     runner = getattr(engine, "model_runner", None)
     tracker = RunTracker(args, run.rank, run.world_size,
                          {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
@@ -602,8 +603,9 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     `balanced_partition` of all units by tokens (heaviest unit <= mean + the largest), each rank's units ordered by
     length (similar lengths pad less together), then the same number M of micro-batches on every rank (the lock
     step): M = the most any rank needs for `micro_batch_tokens` padded tokens each (else `micro_batch_size` rows),
-    at most the fewest units any rank holds. Two all-to-alls on the training device (NCCL on GPUs) move the rows. The
-    loss is unchanged: every normaliser counts the whole batch. Returns this rank's rollout, per_row and pieces."""
+    at most the fewest units any rank holds. The rows move point to point between the pairs of ranks that exchange
+    any, over gloo (`exchange`), never an all-to-all over the world. The loss is unchanged: every normaliser counts
+    the whole batch. Returns this rank's rollout, per_row and pieces."""
     world, rows, _ = rollout.lengths.shape
     lengths = rollout.lengths.view(world * rows // unit, unit, 2)  # [global units, unit, (prompt, completion)]
     weights = (lengths[:, :, 0] + lengths[:, :, 1]).sum(1).tolist()
@@ -625,14 +627,9 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     sent = [[u for u in part if u // units_per_rank == run.rank] for part in parts]
     received = [[u for u in mine if u // units_per_rank == source] for source in range(world)]
     extra = 1 + per_row.shape[1]
-    moved = []
-    for stream, dtype, width in ((tokens, torch.long, -1), (floats, torch.float64, extra)):
-        payload = [value for part in sent for u in part for r in rows_of(u) for value in stream[r]]
-        out_sizes = [sum(size(u, width) for u in part) for part in received]
-        out = torch.empty(sum(out_sizes), dtype=dtype, device=run.device)
-        dist.all_to_all_single(out, torch.tensor(payload, dtype=dtype, device=run.device), out_sizes,
-                               [sum(size(u, width) for u in part) for part in sent])
-        moved.append(out.cpu().tolist())
+    moved = [exchange([[value for u in part for r in rows_of(u) for value in stream[r]] for part in sent],
+                      [sum(size(u, width) for u in part) for part in received], dtype)
+             for stream, dtype, width in ((tokens, torch.long, -1), (floats, torch.float64, extra))]
     token_at, float_at = {}, {}  # where each unit starts in the received streams (in sender order)
     offsets = [0, 0]
     for u in (u for part in received for u in part):
@@ -750,7 +747,7 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
 def finish(run: LLMRun, engine: object, tracker: RunTracker, policy: torch.nn.Module,
            metrics: dict[str, float]) -> None:
     """final.json (the last step's metrics and the sha256 of the final parameters), then an orderly shutdown."""
-    final_hash = parameter_hash(policy)
+    final_hash = final_parameter_hash(policy)
     tracker.write_json("final.json", {"step": run.args.total_steps, "parameter_sha256": final_hash, **metrics})
     get_logger(run.rank).info(f"done: held-out greedy accuracy {metrics.get('eval/accuracy', float('nan')):.4f}, "
                               f"parameters sha256 {final_hash[:16]}")

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from common.batching import PACKED_ATTENTION, register_packed_attention
-from common.distributed import all_gather_rows, fail, local_world_size
+from common.batching import PACKED_ATTENTION, PADDED_ATTENTION, register_packed_attention, register_padded_attention
+from common.distributed import all_gather_rows, fail, local_world_size, save_group
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -31,11 +31,12 @@ _meshes: dict[tuple[object, str, int], DeviceMesh] = {}
 
 
 def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool = True, model_class: object = None,
-               attn_implementation: str = "sdpa") -> torch.nn.Module:
+               attn_implementation: str = PADDED_ATTENTION) -> torch.nn.Module:
     """A HF model sharded with FSDP2 per transformer block (the classes in the model's `_no_split_modules`, e.g.
     Qwen2DecoderLayer) and at the root, computing in `args.dtype` and reducing gradients in float32. Trained models
     keep float32 master weights; frozen ones (reference, reward model) hold their weights in `args.dtype`.
-    `attn_implementation`: transformers' name, or batching.PACKED_ATTENTION for packed rows on GPUs.
+    `attn_implementation`: batching.PADDED_ATTENTION (SDPA for padded rows), PACKED_ATTENTION for packed rows on
+    GPUs, or a name of transformers'.
 
     Memory at 7B (7.6B parameters): only rank 0 reads the checkpoint, into host memory in float32 (30 GB, once per
     job); every rank builds the model on the meta device (no memory), shards it, allocates its own shard (30 GB / N
@@ -51,6 +52,8 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     compute_dtype = getattr(torch, args.dtype)
     if attn_implementation == PACKED_ATTENTION:
         register_packed_attention()
+    if attn_implementation == PADDED_ATTENTION:
+        register_padded_attention()
     text_config = AutoConfig.from_pretrained(path).get_text_config()
     if model_class is None and (getattr(text_config, "final_logit_softcapping", None)
                                 or getattr(text_config, "logit_scale", 1.0) not in (None, 1.0)):
@@ -173,6 +176,21 @@ def make_optimizer(model: torch.nn.Module, args: LLMArgs, learning_rate: float, 
     return optimizer, scheduler
 
 
+def all_reduce_at_last(last: bool, *models: torch.nn.Module) -> None:
+    """Call before each micro-batch's backward. With HSDP (--fsdp-shard-size below the world size), FSDP2 reduce-
+    scatters a backward's gradients within the shard group (a node) and then all-reduces the shards across the
+    replicas (the nodes), by default after every backward: with M micro-batches per optimizer step, M cross-node
+    all-reduces (at 7B and shard size 8, 30.5 GB of float32 gradients / 8 = 3.8 GB per rank each) where one, of
+    their sum, gives the same gradient. So the micro-batches before the last of an optimizer step only reduce-scatter
+    and accumulate, and the last all-reduces the sum (FSDP2's set_requires_all_reduce). The sum is formed in another
+    order than before, so HSDP's bits differ from the per-micro-batch all-reduce's; a flat mesh has no all-reduce."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:
+        if isinstance(model, FSDPModule):
+            model.set_requires_all_reduce(last)
+
+
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    scheduler: torch.optim.lr_scheduler.LambdaLR, max_grad_norm: float, step: int
                    ) -> tuple[float, float]:
@@ -267,6 +285,30 @@ def _gather_shards(sharded: list[torch.Tensor], dtype: torch.dtype) -> list[torc
     padded = [send.new_empty((ranks * shape[0], *shape[1:])) for shape in padded_shapes]
     torch.split_with_sizes_copy(received, slice_sizes, dim=1, out=[tensor.view(ranks, -1) for tensor in padded])
     return [full[:tensor.shape[0]] for full, tensor in zip(padded, sharded)]
+
+
+def final_parameter_hash(model: torch.nn.Module) -> str:
+    """parameter_hash(model) of an FSDP2 model, computed by rank 0 alone and sent to the others: each tensor is
+    gathered within rank 0's shard group, one at a time, and the other shard groups (HSDP's other nodes, whose
+    replicas hold the same shards) gather nothing. DTensor.full_tensor() on every rank would gather the whole
+    float32 model into every rank and each would copy it to the host and hash it: at 7B, 30.5 GB per rank."""
+    from torch.distributed.tensor import DTensor
+
+    from common.determinism import hash_named_tensors
+
+    state = model.state_dict()
+    sharded = [tensor for tensor in state.values() if isinstance(tensor, DTensor)]
+    group = sharded[0].device_mesh.get_group(sharded[0].device_mesh.ndim - 1) if sharded else None
+    gathered = ((name, _gather_shards([state[name].detach()], state[name].dtype)[0]
+                 if isinstance(state[name], DTensor) else state[name]) for name in sorted(state))
+    box = [None]
+    if dist.get_rank() == 0:
+        box[0] = hash_named_tensors(gathered)
+    elif group is not None and 0 in dist.get_process_group_ranks(group):
+        for _ in gathered:  # the all-gathers rank 0 waits for
+            pass
+    dist.broadcast_object_list(box, src=0, group=save_group())
+    return box[0]
 
 
 def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path) -> None:
