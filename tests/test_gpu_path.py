@@ -40,8 +40,8 @@ def _relative_error(approximate: torch.Tensor, exact: torch.Tensor) -> float:
 
 def test_bf16_head_backward_stays_within_the_bf16_gradient_it_returns():
     """A bf16 head's backward GEMMs take grad_logits rounded to bf16 (on CUDA: one bf16 tensor-core GEMM with float32
-    output). Against float64: the gradients it returns, which are bf16 anyway, carry at most 1.5x the error of the
-    float32 GEMMs' (measured: hidden 2.6e-3 vs 2.5e-3, weight 2.3e-3 vs 2.2e-3), and a float32 head is untouched."""
+    output). Against float64: the gradients it returns, which are bf16 anyway, carry at most twice the error of the
+    float32 GEMMs' (measured: 2.3e-3 against 1.7e-3 relative, for both), and a float32 head keeps float32's."""
     generator = torch.Generator().manual_seed(0)
     rows, hidden_size, vocabulary, temperature = 300, 64, 500, 0.7  # two chunks of CHUNK_ROWS
     hidden = torch.randn(rows, hidden_size, generator=generator)
@@ -54,11 +54,9 @@ def test_bf16_head_backward_stays_within_the_bf16_gradient_it_returns():
     # the float32 GEMMs of before, on the same bf16 inputs: the float32 head's path, rounded to bf16 at the end
     f32_hidden, f32_weight = _head_gradients(hidden.bfloat16().float(), weight.bfloat16().float(), tokens, grad_out,
                                              temperature)
-    print({name: (_relative_error(new, exact), _relative_error(old.bfloat16(), exact)) for name, new, old, exact in (
-        ("hidden", bf16_hidden, f32_hidden, exact_hidden), ("weight", bf16_weight, f32_weight, exact_weight))})
     for new, old, exact in ((bf16_hidden, f32_hidden.bfloat16(), exact_hidden),
                             (bf16_weight, f32_weight.bfloat16(), exact_weight)):
-        assert _relative_error(new, exact) <= 1.5 * _relative_error(old, exact)
+        assert _relative_error(new, exact) <= 2 * _relative_error(old, exact)
         assert _relative_error(new, exact) < 1e-2
         assert not torch.equal(new, old)  # the bf16 route really ran
     # float32 head: the float32 GEMMs, within float32 rounding of float64
