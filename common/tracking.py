@@ -116,10 +116,20 @@ def _devices() -> list[str]:
             else [platform.processor() or platform.machine()])
 
 
+def _cpu() -> dict[str, object]:
+    """What decides the CPU's kernels and so its bits: the model, the instruction set torch's kernels use
+    (ATEN_CPU_CAPABILITY can lower it: other bits, same arguments), and the threads per process."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), None) if Path("/proc/cpuinfo").is_file() else None
+    return {"model": model or platform.processor() or platform.machine(),
+            "kernel_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            **{key: os.environ[key] for key in ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS") if key in os.environ}}
+
+
 def _nodes() -> list[dict[str, object]]:
     """Every node's hostname, devices, ranks and agent command, on rank 0 (a gather: one small object per rank)."""
     mine = {"node_rank": LAUNCH.get("node_rank", 0), "hostname": socket.gethostname(), "devices": _devices(),
-            "agent_command": LAUNCH.get("agent_command")}  # each node may be started with its own options
+            "cpu": _cpu(), "agent_command": LAUNCH.get("agent_command")}  # a node may be started with its own options
     every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((dist.get_rank(), mine), every, dst=0)
     nodes: dict[int, dict[str, object]] = {}
