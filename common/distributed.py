@@ -172,9 +172,10 @@ def exchange(outgoing: list[list[float]], incoming_sizes: list[int], dtype: torc
     """Point to point: `outgoing[p]` goes to rank p, `incoming_sizes[p]` values come from rank p; returns what came,
     in rank order, this rank's own part copied locally. Only non-empty pairs exchange a message, over gloo (CPU
     tensors): every rank knows the plan, so no rank posts a zero-byte send. An unequal-split all-to-all on NCCL
-    would post a send and a receive to every peer, and NCCL sets up a connection and buffers per peer and channel
-    the first time a pair exchanges (NCCL_BUFFSIZE, 4 MiB by default, per channel and direction): memory and
-    connection time growing with the world size, for bookkeeping built on the host anyway."""
+    would post a send and a receive to every peer, and NCCL sets up a connection per peer and channel the first
+    time a pair exchanges, with the buffers of all three protocols (12 MiB per channel and peer inside a node, by
+    NCCL 2.30's source; benchmarks/memory_estimate.py --outside-the-step): memory and connection time growing with
+    the world size, for bookkeeping built on the host anyway."""
     rank = dist.get_rank()
     received = [torch.zeros(size, dtype=dtype) for size in incoming_sizes]
     requests = [dist.irecv(received[peer], src=peer) for peer, size in enumerate(incoming_sizes)

@@ -27,9 +27,15 @@ whatever K: over NVLink inside a node (about 400 GB/s that NCCL's collectives re
 traffic, about 10 ms at 3.35 TB/s): estimates, not measured. With --max-staleness 1 the broadcast is on the critical
 path once per step (the trainer waits for it; the engines stop only for it). Memory: a rollout rank holds the
 engine's bfloat16 weights (15.2 GB), its KV cache (what --vllm-gpu-memory-utilization leaves; the engine has its GPU
-to itself, so raise it towards 0.9) and one bucket in flight (up to 1,040 MiB, the embedding); no optimizer state,
-no gradients, no float32 masters. Trainer rank 0 holds, besides its shards, one gathered bucket and its
-concatenation (2 x 1,040 MiB at most)."""
+to itself, so raise it towards 0.9) and, during a sync, the received bucket, the engine's new copy of the module it
+fills and the bucket before it, still referenced through views (at the LM head's bucket 1,040 + 1,040 + 259 =
+2,338 MiB; arithmetic, not measured); no optimizer state, no gradients, no float32 masters. Trainer rank 0 holds,
+besides its shards (Qwen2.5-7B over 8 trainers: float32 masters and Adam moments, 12 B x 7.6B / 8 = 10.6 GiB;
+gradients are freed by then), up to 2,783 MiB at once: while the last bucket (the LM head, 1,040 MiB) is gathered,
+its local slices (130 MiB), the all-gather's output and the full tensors copied out of it (1,040 MiB each), the
+bucket before it (259 MiB), which send_weights keeps until the next tensor arrives, and the concatenation it
+broadcast before that (315 MiB) until that broadcast finishes; 2,468 MiB once it has, as on the other trainers
+(benchmarks/memory_estimate.py, split_sync_held)."""
 
 import math
 import pickle

@@ -60,6 +60,46 @@ def test_flat_mesh_all_gathers_grow_with_n_and_hsdp_ones_do_not() -> None:
     assert sim.fsdp_comm_s(sim.QWEN25_7B, H200, 1024, frozenset({"hsdp"}), 0)[1] > 0.0
 
 
+def test_hsdp_all_reduces_once_per_optimizer_step() -> None:
+    """--num-minibatches 4 --num-iterations 2 at N = 16 (two nodes, HSDP): 8 optimizer steps a training step, so 8
+    all-reduces of the gradient shards across the nodes (pricing them once per training step would charge 1). With
+    training compute free each micro-batch costs its collectives: 64 rows a rank, 4 minibatches of 16, 8 micro-batches
+    of 8 rows, the first pass with pi_old's forward-only pass, the second without; and 7 more gradient norms."""
+    free_compute = {**H200, "train_efficiency": math.inf}
+    fixes = frozenset({"hsdp", "fewer_collectives"})
+    lengths = sim.draw_lengths(sim.WORKLOADS["short"], ranks=16, steps=2, rng=np.random.default_rng(0))
+    first_pass = sim.fsdp_comm_s(sim.QWEN25_7B, free_compute, 16, fixes, 1)[0]
+    again, all_reduce = sim.fsdp_comm_s(sim.QWEN25_7B, free_compute, 16, fixes, 0)
+    assert all_reduce > 0 and sim.fsdp_comm_s(sim.QWEN25_7B, free_compute, 8, fixes, 0)[1] == 0.0  # one node: none
+
+    def training(workload: sim.Workload) -> np.ndarray:
+        micro_batches = sim.padded_micro_batches(lengths, workload)
+        assert [len(batch) for batch in micro_batches] == [8, 8]
+        return sim.training_s(micro_batches, workload, sim.QWEN25_7B, free_compute, 16, fixes)
+
+    one_update = sim.WORKLOADS["short"]
+    eight_updates = replace(one_update, num_minibatches=4, num_iterations=2)
+    assert eight_updates.optimizer_steps == 8 and eight_updates.no_grad_passes == 1
+    np.testing.assert_allclose(training(one_update), 8 * again + all_reduce, rtol=1e-12)
+    np.testing.assert_allclose(training(eight_updates), 8 * (first_pass + again) + 8 * all_reduce, rtol=1e-12)
+    np.testing.assert_allclose(training(replace(one_update, num_minibatches=4)), 8 * first_pass + 4 * all_reduce,
+                               rtol=1e-12)
+    nodes = sim.nodes_spanned(H200, 16)
+    assert sim.bookkeeping_s(16, H200, fixes, 8) == pytest.approx(sim.collective_s(0.0, 16, nodes, H200, 3 + 7))
+
+
+def test_micro_batches_are_cut_within_each_minibatch() -> None:
+    """8 completions of lengths 1..8 after 10-token prompts, micro-batches of 8 rows: one micro-batch padded to 18
+    tokens a row; with 2 minibatches of 4 rows, two micro-batches padded to 14 and 18. k must divide the prompts."""
+    workload = sim.Workload("cut", 1, 0.0, 100, prompts=2, generations=4, prompt_tokens=10)
+    lengths = np.arange(1.0, 9.0).reshape(1, 1, 8)
+    np.testing.assert_array_equal(sim.padded_micro_batches(lengths, workload)[0], [8 * 18])
+    np.testing.assert_array_equal(sim.padded_micro_batches(lengths, replace(workload, num_minibatches=2))[0],
+                                  [4 * 14, 4 * 18])
+    with pytest.raises(ValueError, match="must divide"):
+        replace(workload, num_minibatches=3)
+
+
 def test_bucketed_sync_does_not_depend_on_the_tensor_count() -> None:
     many_tensors = replace(sim.QWEN25_7B, state_tensors=10 * sim.QWEN25_7B.state_tensors)
     for ranks in (16, 1024):
