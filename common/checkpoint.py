@@ -212,13 +212,17 @@ def read_training_state(args: object, world_size: int, may_change: Iterable[str]
             if damage:
                 problem = f"checkpoint {directory} is damaged: {damage}. {resume_instead(directory)}"
             else:
-                state = torch.load(directory / "trainer_state.pt", weights_only=False)
-                problem = resume_mismatch(directory, state, args, world_size, may_change)
-                if problem is None:
-                    shared = {key: value for key, value in state.items() if key not in ("rng", "in_flight")}
-                    shares = [{**shared, "rng": state["rng"][r] if r < len(state["rng"]) else None,
-                               **({"in_flight": state["in_flight"][r] if r < len(state["in_flight"]) else None}
-                                  if "in_flight" in state else {})} for r in range(len(shares))]
+                try:  # rank 0 must reach the broadcast whatever the file holds, or the others wait for it
+                    state = torch.load(directory / "trainer_state.pt", weights_only=False)
+                    problem = resume_mismatch(directory, state, args, world_size, may_change)
+                    if problem is None:
+                        shared = {key: value for key, value in state.items() if key not in ("rng", "in_flight")}
+                        shares = [{**shared, "rng": state["rng"][r] if r < len(state["rng"]) else None,
+                                   **({"in_flight": state["in_flight"][r] if r < len(state["in_flight"]) else None}
+                                      if "in_flight" in state else {})} for r in range(len(shares))]
+                except Exception as error:  # e.g. a trainer_state.pt of another layout: fields missing
+                    problem = f"cannot resume from {directory}: its trainer_state.pt does not read as a checkpoint " \
+                              f"of this project ({in_brief(error)}). {resume_instead(directory)}"
     verdict = [problem, directory]
     dist.broadcast_object_list(verdict, src=0, group=save_group())
     if verdict[0] is not None:

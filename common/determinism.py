@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 
-def engine_environment(deterministic: bool, cuda: bool) -> dict[str, str]:
+def engine_environment(deterministic: bool, cuda: bool, colocated: bool = True) -> dict[str, str]:
     """The environment variables that must exist before CUDA, NCCL, Triton or vLLM start:
     - CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO: cuBLAS's and NCCL's deterministic settings.
     - VLLM_BATCH_INVARIANT (CUDA): vLLM's batch-invariant kernels, read when vLLM is imported.
@@ -20,17 +20,19 @@ def engine_environment(deterministic: bool, cuda: bool) -> dict[str, str]:
     - VLLM_DISTRIBUTED_USE_SPLIT_GROUP=1 (CUDA, not a determinism setting): vLLM builds its groups with one
       torch.distributed.split_group per group kind instead of a new_group per group, each of which, over a
       device-bound default group, is a world-wide ncclCommSplit (about 10k of them at 1,024 ranks). It needs the
-      default group bound to a device, as init_distributed binds it on CUDA; on CPU (gloo, unbound) vLLM refuses it."""
+      default group bound to a device, as init_distributed binds it on CUDA; on CPU (gloo, unbound) vLLM refuses it.
+      Colocated only: the split layout makes the rollout ranks' own group their default, whose ranks (0..K-1)
+      split_group looks up among the world's (T..N-1) and does not find; vLLM's groups there span K ranks."""
     wanted = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "TRITON_F32_DEFAULT": "ieee"} \
         if deterministic else {}
     if deterministic and cuda:
         wanted["VLLM_BATCH_INVARIANT"] = "1"
-    if cuda:
+    if cuda and colocated:
         wanted["VLLM_DISTRIBUTED_USE_SPLIT_GROUP"] = "1"
     return wanted
 
 
-def seed_everything(seed: int, deterministic: bool = True) -> dict[str, object]:
+def seed_everything(seed: int, deterministic: bool = True, colocated: bool = True) -> dict[str, object]:
     """Seed python, numpy and torch; with `deterministic`, force deterministic kernels and turn TF32 off; set
     `engine_environment` (so call it before any engine). Returns the settings, for the manifest.
 
@@ -39,7 +41,7 @@ def seed_everything(seed: int, deterministic: bool = True) -> dict[str, object]:
     in-process vLLM engine's buffers included. The fill guards against kernels that read memory nobody wrote,
     which no deterministic kernel does; a read of unwritten memory would make two runs differ, and the tests that
     compare two runs bit for bit are the check."""
-    wanted = engine_environment(deterministic, torch.cuda.is_available())
+    wanted = engine_environment(deterministic, torch.cuda.is_available(), colocated)
     for key, value in wanted.items():
         os.environ.setdefault(key, value)
     seed_rngs(seed)
@@ -106,16 +108,18 @@ def reroute_composite_autograd(device_type: str) -> list[str]:
     return rerouted
 
 
-def engine_kernels_without_engine(device_type: str) -> bool:
+def engine_kernels_without_engine(device_type: str, engine: str) -> bool:
     """A split-layout trainer on CUDA in deterministic mode: install vLLM's batch-invariant kernels and settings in
     this process, as a colocated trainer gets them from the engine it shares its process with (vLLM's worker calls
     init_batch_invariance when it starts): its own mean.dim, softmax, log_softmax and bmm kernels on every NVIDIA
     GPU, mm/addmm/matmul/linear on SM 8.x, the cuBLAS workspace and cuBLASLt choice on SM 9.x and later. Without
     them split trainers compute other bits than colocated ones, and 1 + 1 at staleness 0 would equal the colocated
-    run on CPU only. Returns whether it installed them (never on CPU, where vLLM's mode overrides nothing)."""
-    if device_type != "cuda" or os.environ.get("VLLM_BATCH_INVARIANT") != "1":
+    run on CPU only. `engine`: the rollout ranks' (--rollout-engine); with the HF or fake engine no process has
+    vLLM's kernels, colocated or split. Returns whether it installed them (never on CPU, where vLLM's mode overrides
+    nothing)."""
+    if device_type != "cuda" or engine != "vllm" or os.environ.get("VLLM_BATCH_INVARIANT") != "1":
         return False
-    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
+    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance  # a vLLM run: installed
 
     init_batch_invariance()
     return True

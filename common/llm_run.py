@@ -223,7 +223,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a weight-loading bar per model and rank, interleaved
-    determinism = seed_everything(args.seed, args.deterministic)
+    determinism = seed_everything(args.seed, args.deterministic, colocated=not args.rollout_ranks)
     args.rollout_engine = engine_kind(args.rollout_engine)  # recorded and compared on resume as the engine that ran
     rank, world_size, device = init_distributed()
     check_shared_filesystem(Path(args.resume or args.run_root), create=not args.resume)  # where this run writes
@@ -373,7 +373,7 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     else:  # the rollout ranks' engines, behind the schedule; with S = 1 the checkpoint holds the batch in flight
         engine = RemoteRollouts(run.layout, args.prompts_per_step * args.num_generations, args.total_steps,
                                 run.resume_state.get("in_flight") if start_step else None)
-        engine_kernels_without_engine(run.device.type)  # a colocated trainer's kernels, with no engine in process
+        engine_kernels_without_engine(run.device.type, args.rollout_engine)  # a colocated trainer's kernels
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
     rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
     if start_step:  # after the engine, whose start would overwrite the restored RNG states

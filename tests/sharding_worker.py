@@ -97,13 +97,18 @@ def check_stream(model: torch.nn.Module) -> dict[str, dict[str, object]]:
 
 
 def train_step(shard_size: int) -> tuple[dict[str, object], dict[str, torch.Tensor], torch.nn.Module]:
-    """Load, one forward/backward on this rank's batch; the loss, gradient norm and shard sizes, and full gradients."""
+    """Load, two micro-batches of forward/backward on this rank's batch (half the loss each: with HSDP the replicas
+    all-reduce after the second only, all_reduce_at_last); the loss, gradient norm and shard sizes, full gradients."""
     model = models.load_model(TINY, sharding_args(shard_size), CPU)
     streamed = check_stream(model)
     batch = rank_batch(dist.get_rank())
-    logprobs = token_logprobs(model, batch, 1.0)
-    loss = -(logprobs * batch.mask).sum() / batch.mask.sum()
-    loss.backward()
+    loss = torch.zeros(())
+    for micro_batch in range(2):
+        models.all_reduce_at_last(micro_batch == 1, model)
+        logprobs = token_logprobs(model, batch, 1.0)
+        half = -(logprobs * batch.mask).sum() / batch.mask.sum() / 2
+        half.backward()
+        loss += half.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)  # the total norm, clips nothing
     gradients = {name: parameter.grad.full_tensor() for name, parameter in model.named_parameters()}
     mesh = model.model.embed_tokens.weight.device_mesh

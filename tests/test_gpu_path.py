@@ -17,7 +17,7 @@ from conftest import ROOT, check, run_script, script_env
 
 from common import models
 from common.batching import _ChosenTokenLogprob
-from common.determinism import engine_environment
+from common.determinism import engine_environment, engine_kernels_without_engine
 
 
 def _head_gradients(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, grad_out: torch.Tensor,
@@ -86,8 +86,10 @@ def test_hsdp_all_reduces_across_nodes_once_per_optimizer_step(fake_world, monke
     all_reduces = collections.Counter()
     real_all_reduce = dist.all_reduce
 
+    replicas = next(model.parameters()).device_mesh.get_group("replicate")
+
     def counting_all_reduce(tensor, *args, group=None, **kwargs):
-        all_reduces[dist.get_world_size(group)] += 1
+        all_reduces["across nodes" if group is replicas else "elsewhere"] += 1
         return real_all_reduce(tensor, *args, group=group, **kwargs)
 
     monkeypatch.setattr(dist, "all_reduce", counting_all_reduce)
@@ -102,7 +104,7 @@ def test_hsdp_all_reduces_across_nodes_once_per_optimizer_step(fake_world, monke
             model(input_ids=input_ids).logits.sum().backward()
         counts[with_fix] = dict(all_reduces)
         model.zero_grad(set_to_none=True)
-    assert counts == {False: {2: 3 * units}, True: {2: units}}  # over the replica groups of 2 (the nodes)
+    assert counts == {False: {"across nodes": 3 * units}, True: {"across nodes": units}}
 
 
 @pytest.mark.parametrize("fake_world", [(4, rank) for rank in range(4)], indirect=True)
@@ -140,15 +142,19 @@ def _done() -> SimpleNamespace:
     return SimpleNamespace(wait=lambda: None)
 
 
-def test_environment_before_the_engine_starts():
+def test_environment_before_the_engine_starts(monkeypatch):
     """On CUDA: batch-invariant vLLM, vLLM's groups by split_group, Triton's float32 dots in IEEE; the determinism
     variables only when deterministic; on CPU no split_group (vLLM refuses it without a device-bound group)."""
     cuda = engine_environment(deterministic=True, cuda=True)
     assert cuda["VLLM_BATCH_INVARIANT"] == "1" and cuda["VLLM_DISTRIBUTED_USE_SPLIT_GROUP"] == "1"
     assert cuda["TRITON_F32_DEFAULT"] == "ieee" and cuda["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert engine_environment(deterministic=False, cuda=True) == {"VLLM_DISTRIBUTED_USE_SPLIT_GROUP": "1"}
+    split = engine_environment(deterministic=True, cuda=True, colocated=False)  # the rollout side's own group
+    assert "VLLM_DISTRIBUTED_USE_SPLIT_GROUP" not in split and split["VLLM_BATCH_INVARIANT"] == "1"
     cpu = engine_environment(deterministic=True, cuda=False)
     assert "VLLM_DISTRIBUTED_USE_SPLIT_GROUP" not in cpu and "VLLM_BATCH_INVARIANT" not in cpu
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # split trainers take vLLM's kernels for vLLM rollouts only
+    assert not engine_kernels_without_engine("cuda", "hf") and not engine_kernels_without_engine("cpu", "vllm")
 
 
 def test_triton_and_vllm_read_the_environment_and_empty_memory_is_not_filled():
@@ -213,3 +219,25 @@ def test_no_host_sync_inside_a_micro_batch_loop(tmp_path: Path, script: str, ext
                                                     str(tmp_path / "runs"), *extra]))
     watched = json.loads(output.read_text())
     assert watched["backwards"] >= 4 and watched["found"] == {}
+
+
+def test_a_resume_state_rank_0_cannot_read_stops_every_rank_with_a_message(grpo_reference_run: Path, tmp_path: Path,
+                                                                            world_of_one, capsys):
+    """Rank 0 alone reads trainer_state.pt and sends its verdict: a file without the fields a resume needs ends in
+    that verdict (exit 2, the file named, the previous checkpoint offered), not in an exception on rank 0 that would
+    leave the other ranks waiting for its broadcast."""
+    import shutil
+
+    from common.checkpoint import read_training_state
+    from common.llm_run import MAY_CHANGE_ON_RESUME, LLMArgs
+
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(grpo_reference_run / "checkpoints", checkpoints)
+    damaged = checkpoints / "step_00000004"
+    torch.save({"step": 4, "world_size": 1}, damaged / "trainer_state.pt")  # no arguments, no RNG states
+    with pytest.raises(SystemExit) as stopped:
+        read_training_state(LLMArgs(resume=str(damaged), total_steps=8), 1, MAY_CHANGE_ON_RESUME)
+    assert stopped.value.code == 2
+    message = capsys.readouterr().err
+    assert f"cannot resume from {damaged}" in message and "KeyError" in message
+    assert f"--resume {checkpoints / 'step_00000002'}" in message
