@@ -209,7 +209,7 @@ def _padded_sdpa_mask(*args: object, **kwargs: object) -> torch.Tensor:
     GPUs that read waits for every kernel queued, the previous micro-batch's backward included, at every forward.
     Padded RL batches almost always have padding, so the mask was built anyway; here it always is (a micro-batch
     without any padding, which could have run SDPA's flash kernel with is_causal, now runs the masked kernel: other
-    bits for such a batch on GPUs than before, the same on CPU, where the reference runs kept their hashes)."""
+    bits for such a batch than before; the CPU reference runs kept their hashes)."""
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
