@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import tyro
 from gymnasium.wrappers import AtariPreprocessing, ClipReward, FrameStackObservation, RecordEpisodeStatistics
 
-from common.checkpoint import check_resume_args, resolve_checkpoint, save_checkpoint
+from common.checkpoint import CheckpointWriteFailed, check_resume_args, resolve_checkpoint, save_checkpoint
 from common.determinism import parameter_hash, restore_rng_states, rng_states, seed_everything
 from common.distributed import (
     all_ranks_ok,
@@ -40,6 +40,14 @@ from common.distributed import (
     reduce_stats,
     save_group,
 )
+from common.preemption import (
+    DEFAULT_STOP_SIGNALS,
+    EXIT_WRITE_FAILED,
+    catch_stop_signals,
+    preempted,
+    step_boundary,
+    stop_signals_problem,
+)
 from common.tracking import RunTracker, get_logger
 
 gym.register_envs(ale_py)
@@ -48,7 +56,7 @@ LOG_EVERY = 100  # global steps between loss / epsilon / SPS records, as CleanRL
 EVAL_SEED_KEY = 2**31  # SeedSequence([seed, EVAL_SEED_KEY]) seeds evaluation: a "rank" no run has
 # Arguments a resume may change: they do not alter what the run computes (and --total-timesteps may grow).
 MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "save_every", "keep_last",
-                        "capture_video", "save_model", "eval_episodes", "eval_epsilon")
+                        "capture_video", "save_model", "eval_episodes", "eval_epsilon", "stop_signals")
 
 
 @dataclass
@@ -110,8 +118,12 @@ class Args:
     resume: str | None = None
     """a checkpoint directory (or a run's checkpoints/ directory, then its latest) to continue from, in the
     checkpoint's run directory. Every argument must match the checkpoint's except run_root, exp_name, track,
-    wandb_project_name, save_every, keep_last, capture_video, save_model, eval_episodes, eval_epsilon, and
-    total_timesteps, which may grow to extend a run (the epsilon schedule keeps the original run's length)"""
+    wandb_project_name, save_every, keep_last, capture_video, save_model, eval_episodes, eval_epsilon,
+    stop_signals, and total_timesteps, which may grow to extend a run (the epsilon schedule keeps the original run's
+    length)"""
+    stop_signals: tuple[str, ...] = DEFAULT_STOP_SIGNALS
+    """signals that stop the run within LOG_EVERY global steps with a checkpoint and exit status 3
+    (common/preemption.py); torchrun forwards SIGTERM, SLURM's --signal sends any"""
 
 
 def check_args(args: Args, world_size: int) -> None:
@@ -126,6 +138,8 @@ def check_args(args: Args, world_size: int) -> None:
         fail("--learning-starts, --save-every and --keep-last must not be negative")
     if args.learning_starts >= args.total_timesteps:
         fail(f"--learning-starts ({args.learning_starts}) must be below --total-timesteps ({args.total_timesteps})")
+    if problem := stop_signals_problem(args.stop_signals):
+        fail(problem)
     if args.buffer_size < args.batch_size:
         fail(f"--buffer-size ({args.buffer_size}) is smaller than --batch-size ({args.batch_size})")
     if args.batch_size % world_size:
@@ -448,10 +462,11 @@ def crossings(before: int, after: int, every: int) -> int:
 SHARED_STATE = ("global_step", "updates", "target_updates", "q_network", "target_network", "optimizer")
 
 
-def save(root: Path, state: dict, args: Args, rank: int, world_size: int) -> None:
+def save(root: Path, state: dict, args: Args, rank: int, world_size: int) -> Path:
     """One checkpoint from one state dict, as `root/step_N/`: the shared keys once in trainer_state.pt (with the
     arguments, which a resume must match), each rank's own keys (environments, observation, RNGs, games not yet
-    logged) in rank{r}.pt and its replay buffer in .npy files. Rank 0 publishes the directory when all are in."""
+    logged) in rank{r}.pt and its replay buffer in .npy files. Rank 0 publishes the directory when all are in. A
+    failed write (a full disk) stops every rank with one message (exit 4)."""
     def write(directory: Path) -> None:
         if rank == 0:
             torch.save({"algorithm": "dqn_atari", "args": dataclasses.asdict(args), "world_size": world_size,
@@ -461,7 +476,10 @@ def save(root: Path, state: dict, args: Args, rank: int, world_size: int) -> Non
         for name, array in state["buffer"].items():
             np.save(directory / f"rank{rank}_buffer_{name}.npy", array)
 
-    save_checkpoint(root, state["global_step"], write, args.keep_last, save_group())
+    try:
+        return save_checkpoint(root, state["global_step"], write, args.keep_last, save_group())
+    except CheckpointWriteFailed as error:  # raised on every rank alike
+        fail(str(error), EXIT_WRITE_FAILED)
 
 
 def load(path: str, args: Args, rank: int, world_size: int) -> tuple[Path, dict]:
@@ -520,6 +538,7 @@ def evaluate(q_network: nn.Module, args: Args, device: torch.device, video_dir: 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    catch_stop_signals(args.stop_signals)  # a stop signal only sets a flag, read where the ranks log together
     determinism = seed_everything(args.seed, args.deterministic)  # same seed on every rank: same initial nets
     rank, world_size, device = init_distributed()
     check_shared_filesystem(Path(args.resume or args.run_root), create=not args.resume)  # all ranks write there
@@ -592,8 +611,9 @@ if __name__ == "__main__":
                         target_param.lerp_(param, args.tau)  # tau = 1: an exact copy
                 target_updates += 1
 
-        # --- plumbing: logging, progress, checkpoints ---------------------------------------------------------------
-        if crossings(previous_step, global_step, LOG_EVERY) or global_step >= args.total_timesteps:
+        # --- plumbing: logging, progress, checkpoints, the stop signal ------------------------------------------
+        logged = crossings(previous_step, global_step, LOG_EVERY) or global_step >= args.total_timesteps
+        if logged:
             gathered = [None] * world_size
             dist.all_gather_object(gathered, episodes)
             for step, episodic_return, length in sorted(e for rank_episodes in gathered for e in rank_episodes):
@@ -608,14 +628,19 @@ if __name__ == "__main__":
                 last_progress = time.time()
                 shown = {"SPS": metrics["charts/SPS"], "epsilon": epsilon, "return": np.mean(recent or [np.nan])}
                 tracker.progress(global_step, args.total_timesteps, shown)
-        if args.save_every and (crossings(previous_step, global_step, args.save_every)
-                                or global_step >= args.total_timesteps):
-            save(tracker.run_dir / "checkpoints", {
+        stop = step_boundary(tracker.write_failure) if logged else None  # a collective only where all log
+        stopping = stop is not None and global_step < args.total_timesteps
+        if stopping or (args.save_every and (crossings(previous_step, global_step, args.save_every)
+                                             or global_step >= args.total_timesteps)):
+            saved = save(tracker.run_dir / "checkpoints", {
                 "global_step": global_step, "updates": updates, "target_updates": target_updates,
                 "q_network": q_network.state_dict(), "target_network": target_network.state_dict(),
                 "optimizer": optimizer.state_dict(), "envs": [get_env_state(env) for env in envs.envs], "obs": obs,
                 "episodes": episodes, "last_losses": last_losses, "rng": rng.bit_generator.state,
                 "rng_states": rng_states(), "buffer": buffer.state_dict()}, args, rank, world_size)
+            if stopping:
+                preempted(stop, global_step, saved, rank, tracker.write_json,
+                          lambda: (tracker.close(), dist.destroy_process_group()))
 
     # --- plumbing: final fingerprint, model and evaluation -----------------------------------------------------------
     envs.close()
@@ -627,7 +652,7 @@ if __name__ == "__main__":
                         "target_sha256": parameter_hash(target_network)}
         if args.save_model:
             model_path = tracker.run_dir / f"{args.exp_name}.cleanrl_model"
-            torch.save(q_network.state_dict(), model_path)
+            tracker.write(model_path, torch.save, q_network.state_dict(), model_path)
             eval_video_dir = str(tracker.run_dir / "videos_eval") if video_dir else None
             games = evaluate(q_network, args, device, eval_video_dir)
             for episodic_return, length in games:  # all at the final step, so a resume's cut-back stays correct
@@ -637,4 +662,5 @@ if __name__ == "__main__":
         tracker.write_json("final.json", final_record)
         log.info(f"final parameter hash {hashes[0]} (ranks agree: {final_record['ranks_agree']})")
     tracker.close()
+    step_boundary(tracker.write_failure, save_group())  # a failed write above stops every rank (rank 0 evaluated)
     dist.destroy_process_group()

@@ -14,30 +14,61 @@ import torch
 import torch.distributed as dist
 
 from common.determinism import rng_states
-from common.distributed import fail, save_group
+from common.distributed import fail, in_brief, save_group
 from common.models import export_pretrained
+from common.tracking import free_space, last_complete
+
+
+class CheckpointWriteFailed(Exception):
+    """A checkpoint could not be written (raised on every rank of the save alike); its message names the file, the
+    error, the free space and the checkpoint to resume from. The partial directory is already removed."""
 
 
 def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep_last: int,
                     group: dist.ProcessGroup | None = None) -> Path:
     """Every rank fills a fresh `root/.step_N.tmp` with its own part (`write(tmp)`); then rank 0 flushes it to disk,
     renames it `root/step_N`, points `latest` at it, and only then deletes checkpoints beyond `keep_last` (> 0). A
-    collective when a process group exists: its waits use `group` (a long timeout, for a big rank-0 write)."""
+    collective when a process group exists: its waits use `group` (a long timeout, for a big rank-0 write). A rank
+    whose part fails (a full disk) tells the others at the next wait, where all would have met anyway: rank 0 then
+    removes the partial directory and every rank raises CheckpointWriteFailed, so `latest` still names the last
+    complete checkpoint and no rank is left waiting."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     tmp, final = root / f".step_{step:08d}.tmp", root / f"step_{step:08d}"
 
-    def everyone_here() -> None:
-        if dist.is_initialized():
-            dist.barrier(group=group)
+    def everyone_here(failure: str | None) -> None:
+        """The wait of all ranks, which also agrees whether some rank's part failed (`failure`: its message)."""
+        failures = [failure]
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            flag = torch.tensor([int(failure is not None)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if flag.item():
+                failures = [None] * dist.get_world_size(group)
+                dist.all_gather_object(failures, failure, group=group)
+        reasons = [f"rank {r}: {message}" for r, message in enumerate(failures) if message is not None]
+        if reasons:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                (root / ".latest.tmp").unlink(missing_ok=True)
+            if dist.is_initialized():
+                dist.barrier(group=group)  # the partial directory is gone before any rank reports
+            raise CheckpointWriteFailed(
+                f"checkpoint {final.name} could not be written ({'; '.join(reasons)}); {free_space(root)} on "
+                f"{root}'s file system; its partial {tmp.name} was removed. {last_complete(root)}")
 
-    if rank == 0:
+    def attempt(action: Callable[[], None]) -> str | None:
+        try:
+            action()
+        except Exception as error:  # OSError; safetensors, torch.save and dcp wrap a full disk in their own types
+            where = getattr(error, "filename", None) or tmp
+            return f"{where}: {in_brief(error)}"
+        return None
+
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
         tmp.mkdir()
-    everyone_here()
-    write(tmp)
-    everyone_here()
-    if rank == 0:
+
+    def publish() -> None:
         for path in tmp.rglob("*"):  # flush file contents before the rename makes them visible
             if path.is_file():
                 with open(path, "rb") as handle:
@@ -49,8 +80,11 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep_l
         os.replace(root / ".latest.tmp", root / "latest")
         complete = sorted(p for p in root.glob("step_*") if p.is_dir())
         for old in complete[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old)
-    everyone_here()
+            shutil.rmtree(old, ignore_errors=True)
+
+    everyone_here(attempt(prepare) if rank == 0 else None)
+    everyone_here(attempt(lambda: write(tmp)))
+    everyone_here(attempt(publish) if rank == 0 else None)
     return final
 
 
@@ -84,12 +118,6 @@ def check_resume_args(saved: dict[str, object], current: dict[str, object], may_
             continue
         problems.append(f"--{name.replace('_', '-')}: checkpoint {before!r}, now {now!r}")
     return problems
-
-
-def in_brief(error: BaseException) -> str:
-    """An exception as its type and the first sentence of its message, not torch's paragraphs of advice."""
-    message = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def trainer_shards_damage(trainer: Path) -> str | None:

@@ -104,14 +104,20 @@ def save_group() -> dist.ProcessGroup:
     return _save_group
 
 
-def fail(message: str) -> None:
-    """Stop with a clear message and exit code 2. Call it on every rank (checks are cheap and identical), so no rank
-    is left waiting in a collective."""
+def fail(message: str, status: int = 2) -> None:
+    """Stop with a clear message and exit code `status` (2: refused; the others: common/preemption.py). Call it on
+    every rank (checks are cheap and identical), so no rank is left waiting in a collective."""
     sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a pipe (torchrun's) do not interleave lines
     sys.stderr.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.exit(2)
+    sys.exit(status)
+
+
+def in_brief(error: BaseException) -> str:
+    """An exception as its type and the first sentence of its message, not torch's paragraphs of advice."""
+    message = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def all_ranks_ok(ok: bool) -> bool:

@@ -22,7 +22,12 @@ import torch.distributed as dist
 import tyro
 
 from common.batching import TokenBatch, balanced_partition, contiguous_pieces, make_batch
-from common.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
+from common.checkpoint import (
+    CheckpointWriteFailed,
+    load_training_checkpoint,
+    read_training_state,
+    save_training_checkpoint,
+)
 from common.determinism import (
     effective_determinism_env,
     engine_kernels_without_engine,
@@ -54,6 +59,14 @@ from common.layout import (
     split_world,
 )
 from common.models import final_parameter_hash, fsdp_shard_size, stream_weights
+from common.preemption import (
+    DEFAULT_STOP_SIGNALS,
+    EXIT_PREEMPTED,
+    catch_stop_signals,
+    preempted,
+    step_boundary,
+    stop_signals_problem,
+)
 from common.rollout import FakeEngine, Sample, engine_kind, make_engine, sample_seed
 from common.scoring import RewardModel, decode_completion, evaluate
 from common.tasks import TASK_HELP, Example, Task, TaskError, check_task_fits, make_task
@@ -122,13 +135,16 @@ class LLMArgs:
     save_every: int = 0  # checkpoint every this many steps (0 = only at the end)
     keep_last: int = 2  # checkpoints kept (older ones are deleted after a newer one is complete); 0 keeps all
     resume: str | None = None  # a checkpoint (or checkpoints/) to continue, in its run directory, with the same args
+    stop_signals: tuple[str, ...] = DEFAULT_STOP_SIGNALS  # signals that stop the run after its current step with a
+    # checkpoint and exit status 3 (common/preemption.py); torchrun forwards SIGTERM, SLURM's --signal sends any
 
 
 # Arguments a resumed run may change: where and how it reports, not what it computes (so not --rollout-engine: vLLM
 # and transformers draw other samples).
 MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "eval_every",
                         "num_eval_prompts", "eval_samples", "eval_temperature", "save_every", "keep_last",
-                        "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization", "allow_unisolated_tools")
+                        "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization", "allow_unisolated_tools",
+                        "stop_signals")
 
 
 def check_llm_args(args: LLMArgs, world_size: int) -> None:
@@ -176,6 +192,8 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
         fail(f"--eval-temperature must be positive with --eval-samples, got {args.eval_temperature}")
     if args.track and importlib.util.find_spec("wandb") is None:
         fail("--track needs Weights & Biases: pip install wandb")
+    if problem := stop_signals_problem(args.stop_signals):
+        fail(problem)
     path = args.model_name_or_path
     if not os.path.isdir(path) and (os.path.exists(path) or path.startswith(("/", "./", "../"))):
         fail(f"--model-name-or-path {path!r} is not a model directory")
@@ -223,6 +241,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a weight-loading bar per model and rank, interleaved
+    catch_stop_signals(args.stop_signals)  # from the start: a signal during start-up stops after the first step
     determinism = seed_everything(args.seed, args.deterministic, colocated=not args.rollout_ranks)
     args.rollout_engine = engine_kind(args.rollout_engine)  # recorded and compared on resume as the engine that ran
     rank, world_size, device = init_distributed()
@@ -357,6 +376,10 @@ def serve_rollouts(run: LLMRun) -> None:
         if evaluation_due(step, args.eval_every, args.total_steps):
             metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
             send_evaluation(layout, metrics if run.rank == 0 else None)
+        if step_boundary(group=layout.world) and step < args.total_steps:  # the trainers' end_step, in step
+            step_boundary(group=layout.world)  # their checkpoint is written
+            engine.close()
+            sys.exit(EXIT_PREEMPTED)
     engine.close()
 
 
@@ -719,7 +742,10 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
              metrics: dict[str, float], trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
              extra: dict | None = None) -> None:
     """After the update and the weight sync: stop on a non-finite loss (the last checkpoint is left as it was),
-    evaluate when due, log the step, and checkpoint when due (`extra`: state the algorithm carries between steps)."""
+    evaluate when due, log the step, and checkpoint when due (`extra`: state the algorithm carries between steps).
+    Then every rank (the split layout: the rollout ranks too) meets at the step boundary (common/preemption.py):
+    a failed write (a log line, the checkpoint) stops them all with its message, and a stop signal that reached any
+    of them writes a checkpoint now, if this step has none, and ends the run with the line that resumes it."""
     args = run.args
     metrics["perf/step_s"] = time.time() - rollout.started
     reduce_s = time.time() - rollout.timings.pop("synced_at")  # the statistics' collectives, waits included
@@ -739,19 +765,41 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
     shown = {"score": "train/score", "acc": "train/accuracy", "eval_acc": "eval/accuracy",
              "tok/s": "perf/rollout_tokens_per_s"}
     tracker.progress(step, args.total_steps, {label: metrics[key] for label, key in shown.items() if key in metrics})
-    if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
-        save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer, args, extra,
-                                 getattr(engine, "in_flight", None))
+    def checkpoint() -> tuple[str | None, Path | None]:  # (why it failed, where it is)
+        try:
+            return None, save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer, args,
+                                                  extra, getattr(engine, "in_flight", None))
+        except CheckpointWriteFailed as error:
+            return str(error), None
+
+    failure, saved = tracker.write_failure, None
+    if failure is None and ((args.save_every and step % args.save_every == 0) or step == args.total_steps):
+        failure, saved = checkpoint()
+    group = run.layout.world if run.layout else None
+    stop = step_boundary(failure, group)
+    if stop and step < args.total_steps:
+        if saved is None:
+            failure, saved = checkpoint()
+        step_boundary(failure, group)  # the rollout ranks, too, wait for the checkpoint and learn how it went
+        preempted(stop, step, saved, run.rank, tracker.write_json, lambda: shut_down(run, engine, tracker))
 
 
-def finish(run: LLMRun, engine: object, tracker: RunTracker, policy: torch.nn.Module,
-           metrics: dict[str, float]) -> None:
-    """final.json (the last step's metrics and the sha256 of the final parameters), then an orderly shutdown."""
-    final_hash = final_parameter_hash(policy)
-    tracker.write_json("final.json", {"step": run.args.total_steps, "parameter_sha256": final_hash, **metrics})
-    get_logger(run.rank).info(f"done: held-out greedy accuracy {metrics.get('eval/accuracy', float('nan')):.4f}, "
-                              f"parameters sha256 {final_hash[:16]}")
+def shut_down(run: LLMRun, engine: object, tracker: RunTracker) -> None:
+    """Logs closed, the engine stopped, the process group left."""
     tracker.close()
     engine.close()
     if dist.is_initialized():  # vLLM's shutdown may already have taken the group down
         dist.destroy_process_group()
+
+
+def finish(run: LLMRun, engine: object, tracker: RunTracker, policy: torch.nn.Module,
+           metrics: dict[str, float]) -> None:
+    """final.json (the last step's metrics and the sha256 of the final parameters), then an orderly shutdown (a
+    failed write stops every trainer rank with its message)."""
+    final_hash = final_parameter_hash(policy)
+    tracker.write_json("final.json", {"step": run.args.total_steps, "parameter_sha256": final_hash, **metrics})
+    tracker.close()
+    step_boundary(tracker.write_failure)
+    get_logger(run.rank).info(f"done: held-out greedy accuracy {metrics.get('eval/accuracy', float('nan')):.4f}, "
+                              f"parameters sha256 {final_hash[:16]}")
+    shut_down(run, engine, tracker)

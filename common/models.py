@@ -313,13 +313,15 @@ def final_parameter_hash(model: torch.nn.Module) -> str:
 
 def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path) -> None:
     """`save_pretrained`'s layout (config, safetensors shards, index, tokenizer) from a streamed gather: rank 0
-    holds at most one shard file's worth of tensors; weights are stored in the config's dtype. Every rank calls it."""
+    holds at most one shard file's worth of tensors; weights are stored in the config's dtype. Every rank calls it.
+    A write that fails on rank 0 (a full disk) is raised only after the stream ends, since the stream's gathers are
+    collectives the other ranks are in."""
     from safetensors.torch import save_file
 
     config = model.config
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
     is_writer = dist.get_rank() == 0
-    shard, shard_bytes, files, weight_map = {}, 0, [], {}
+    shard, shard_bytes, files, weight_map, failed = {}, 0, [], {}, None
 
     def flush() -> None:
         nonlocal shard, shard_bytes
@@ -329,13 +331,18 @@ def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path
         shard, shard_bytes = {}, 0
 
     for name, tensor in stream_weights(model, dtype, tied_aliases=False):
-        if is_writer:
+        if is_writer and failed is None:
             shard[name] = tensor.cpu().contiguous()
             shard_bytes += tensor.numel() * tensor.element_size()
             if shard_bytes >= EXPORT_SHARD_BYTES:
-                flush()
+                try:
+                    flush()
+                except Exception as error:  # safetensors' own error type for a full disk; the others stay in step
+                    failed, shard = error, {}
     if not is_writer:
         return
+    if failed is not None:
+        raise failed
     if shard or not files:
         flush()
     if len(files) == 1:

@@ -14,16 +14,18 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common.distributed import all_gather_rows
+from common.distributed import all_gather_rows, fail, in_brief
 
 ROOT = Path(__file__).resolve().parent.parent
 # Metrics that measure wall-clock time and so differ between otherwise identical runs.
@@ -91,7 +93,7 @@ def _launch() -> dict[str, object]:
     """How this process was started: under torchrun, its agent's options on this node (read from the agent's command
     line, our parent's: rendezvous flags never reach the workers' environment) and the elastic environment."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return {"command": f"python {shlex.join(sys.argv)}"}
+        return {"command": f"python {shlex.join(sys.argv)}", "launcher": "python"}
     env = os.environ
     try:
         words = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
@@ -100,7 +102,8 @@ def _launch() -> dict[str, object]:
     except (OSError, StopIteration, ValueError):  # not Linux, or another launcher: what the environment tells
         agent, options = None, ["--nnodes", env.get("GROUP_WORLD_SIZE", "?"), "--nproc_per_node",
                                 env.get("LOCAL_WORLD_SIZE", "?")]
-    return {"command": f"torchrun {shlex.join([*options, *sys.argv])}", "agent_command": agent,
+    return {"command": f"torchrun {shlex.join([*options, *sys.argv])}", "launcher": shlex.join(["torchrun", *options]),
+            "agent_command": agent,
             "nnodes": int(env.get("GROUP_WORLD_SIZE", 1)), "nproc_per_node": int(env.get("LOCAL_WORLD_SIZE", 1)),
             "node_rank": int(env.get("GROUP_RANK", 0)), "run_id": env["TORCHELASTIC_RUN_ID"],
             "master": f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}",
@@ -109,6 +112,44 @@ def _launch() -> dict[str, object]:
 
 # Taken at import, before any engine starts: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE.
 LAUNCH = _launch()
+
+
+def resume_command(checkpoint: Path) -> str:
+    """This process's launch command with `--resume checkpoint` (absolute) in place of any --resume it had."""
+    arguments, skip = [], False
+    for word in sys.argv[1:]:
+        if not skip and word != "--resume" and not word.startswith("--resume="):
+            arguments.append(word)
+        skip = word == "--resume"
+    return shlex.join([*shlex.split(LAUNCH["launcher"]), sys.argv[0], *arguments, "--resume",
+                       os.path.abspath(checkpoint)])
+
+
+def free_space(path: Path) -> str:
+    """The free space of the file system holding `path` (or its nearest existing parent), for a message."""
+    usage = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists()))
+
+    def size(count: int) -> str:
+        return f"{count / 2**30:.1f} GiB" if count >= 10 * 2**30 else f"{count / 2**20:.1f} MiB"
+
+    return f"{size(usage.free)} free of {size(usage.total)}"
+
+
+def last_complete(checkpoints: Path) -> str:
+    """Where to resume from after a failed write: the checkpoint `checkpoints/latest` names, or that there is none."""
+    try:
+        name = (checkpoints / "latest").read_text().strip()
+    except OSError:
+        name = ""
+    if not name:
+        return "There is no complete checkpoint yet: without --resume the run starts over"
+    return f"The last complete checkpoint is {checkpoints / name}: resume with {resume_command(checkpoints / name)}"
+
+
+def write_failure(path: Path, error: BaseException, checkpoints: Path) -> str:
+    """One message for a write that failed: the file, the error, the free space, the checkpoint to resume from."""
+    return f"cannot write {path} ({in_brief(error)}); {free_space(path)} on its file system. " \
+           f"{last_complete(checkpoints)}"
 
 
 def _devices() -> list[str]:
@@ -138,9 +179,24 @@ def _nodes() -> list[dict[str, object]]:
     return [nodes[k] for k in sorted(nodes)]
 
 
+def _append_line(handle: object, line: str) -> None:
+    """One line onto an unbuffered file, whole or not at all: a failed write (a full disk) is cut back, so a resume,
+    which reads the file line by line, never meets half a line."""
+    data, end = (line + "\n").encode(), os.fstat(handle.fileno()).st_size
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(handle.fileno(), view):]
+    except OSError:
+        os.ftruncate(handle.fileno(), end)
+        raise
+
+
 class RunTracker:
     """Owns `runs/{exp_name}__{seed}__{timestamp}/` on rank 0; every rank learns its path (`run_dir`), since all
-    ranks write their parts of a checkpoint there. Creating it is a collective."""
+    ranks write their parts of a checkpoint there. Creating it is a collective. A write that fails (a full disk)
+    stops all later ones and is kept as `write_failure`, one message for common.preemption.step_boundary, which stops
+    every rank with it; a failure while creating the directory stops every rank here (exit 4)."""
 
     def __init__(self, args: object, rank: int, world_size: int, determinism: dict[str, object],
                  resume_checkpoint: Path | None = None, resume_step: int = 0) -> None:
@@ -150,16 +206,24 @@ class RunTracker:
         self.rank, self.first_step = rank, resume_step
         self.start_time = time.time()
         self.writer = self.metrics_file = self.perf_file = self.timings_file = self.wandb_run = None
+        self.write_failure: str | None = None
         continued = resume_checkpoint.parent.parent if resume_checkpoint else None
         if continued is not None and not (continued / "manifest.json").is_file():
             continued = None
         nodes = _nodes() if dist.is_initialized() else []
-        self.run_dir = Path(self._create(args, world_size, determinism, nodes, continued, resume_step)
-                            if rank == 0 else "")
+        box = [None, None]  # the run directory, or why it could not be written
+        if rank == 0:
+            self.run_dir = Path(args.run_root)
+            try:
+                box[0] = str(self._create(args, world_size, determinism, nodes, continued, resume_step))
+            except OSError as error:
+                where = Path(error.filename) if error.filename else self.run_dir
+                box[1] = write_failure(where, error, (continued or self.run_dir) / "checkpoints")
         if dist.is_initialized():
-            box = [str(self.run_dir)]
             dist.broadcast_object_list(box, src=0)
-            self.run_dir = Path(box[0])
+        if box[1] is not None:
+            fail(box[1], 4)  # common.preemption.EXIT_WRITE_FAILED
+        self.run_dir = Path(box[0])
 
     def _create(self, args: object, world_size: int, determinism: dict[str, object], nodes: list[dict[str, object]],
                 continued: Path | None, resume_step: int) -> Path:
@@ -177,8 +241,8 @@ class RunTracker:
                 if path.is_file():
                     kept = [line for line in path.read_text().splitlines(keepends=True)
                             if json.loads(line)["step"] <= resume_step]
-                    (continued / f".{name}.tmp").write_text("".join(kept))
-                    os.replace(continued / f".{name}.tmp", path)
+                    self._replace(continued / name, "".join(kept))
+            (continued / "stopped.json").unlink(missing_ok=True)  # the stop it recorded is being resumed
         else:
             run_name = f"{args.exp_name}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
             self.run_dir = Path(args.run_root) / run_name
@@ -188,8 +252,7 @@ class RunTracker:
                 suffix += 1
             self.run_dir.mkdir(parents=True)
             manifest = {"exp_name": args.exp_name, **launch}
-        (self.run_dir / ".manifest.json.tmp").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-        os.replace(self.run_dir / ".manifest.json.tmp", self.run_dir / "manifest.json")
+        self._replace(self.run_dir / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
         if args.track:
             import wandb  # optional dependency, imported only when asked for
 
@@ -200,24 +263,46 @@ class RunTracker:
         self.writer = SummaryWriter(str(self.run_dir), purge_step=resume_step + 1 if continued else None)
         table = "\n".join(f"|{key}|{value}|" for key, value in arg_dict.items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
-        self.perf_file = open(self.run_dir / "perf.jsonl", "a")
-        self.timings_file = open(self.run_dir / "timings.jsonl", "a")
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "ab", buffering=0)
+        self.perf_file = open(self.run_dir / "perf.jsonl", "ab", buffering=0)
+        self.timings_file = open(self.run_dir / "timings.jsonl", "ab", buffering=0)
         return self.run_dir
+
+    @staticmethod
+    def _replace(path: Path, text: str) -> None:
+        """Write `path` whole through a temporary file, or leave it as it was."""
+        temporary = path.parent / f".{path.name}.tmp"
+        try:
+            temporary.write_text(text)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+
+    def write(self, path: Path, action: Callable[..., None], *arguments: object) -> None:
+        """Rank 0's write `action(*arguments)` unless an earlier one failed; a failure is kept as `write_failure`."""
+        if self.rank != 0 or self.write_failure is not None:
+            return
+        try:
+            action(*arguments)
+        except Exception as error:  # OSError, and what TensorBoard's writer thread raises again on the next call
+            self.write_failure = write_failure(path, error, self.run_dir / "checkpoints")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """One TensorBoard point per scalar, one line of metrics.jsonl, and one of perf.jsonl if there are timings."""
-        if self.rank != 0:
-            return
         clean = {key: float(value) for key, value in metrics.items()}
-        for key, value in clean.items():
-            self.writer.add_scalar(key, value, step)
         computed = {key: value for key, value in clean.items() if not key.startswith(WALL_CLOCK_PREFIXES)}
         timed = {key: value for key, value in clean.items() if key.startswith(WALL_CLOCK_PREFIXES)}
-        for file, record in ((self.metrics_file, computed), (self.perf_file, timed)):
+        for name, file, record in (("metrics.jsonl", self.metrics_file, computed),
+                                   ("perf.jsonl", self.perf_file, timed)):
             if record:
-                file.write(json.dumps({"step": step, **record}, sort_keys=True) + "\n")
-                file.flush()
+                self.write(self.run_dir / name, _append_line, file,
+                              json.dumps({"step": step, **record}, sort_keys=True))
+
+        def scalars() -> None:
+            for key, value in clean.items():
+                self.writer.add_scalar(key, value, step)
+
+        self.write(self.run_dir / "events.out.tfevents.*", scalars)
 
     def log_timings(self, step: int, timings: dict[str, float], rollout_ranks: list[dict] | None = None) -> None:
         """A collective: this rank's TIMING_FIELDS (absent ones count 0), gathered in one fixed-size all-gather; rank
@@ -225,11 +310,10 @@ class RunTracker:
         and under "rollout_ranks" each rollout rank's timings of the batch trained)."""
         mine = torch.tensor([float(timings.get(name, 0.0)) for name in TIMING_FIELDS], dtype=torch.float64)
         every = all_gather_rows(mine)
-        if self.rank == 0:
-            ranks = [dict(zip(TIMING_FIELDS, row)) for row in every.tolist()]
-            split = {"rollout_ranks": rollout_ranks} if rollout_ranks else {}
-            self.timings_file.write(json.dumps({"step": step, "ranks": ranks, **split}) + "\n")
-            self.timings_file.flush()
+        ranks = [dict(zip(TIMING_FIELDS, row)) for row in every.tolist()]
+        split = {"rollout_ranks": rollout_ranks} if rollout_ranks else {}
+        self.write(self.run_dir / "timings.jsonl", _append_line, self.timings_file,
+                      json.dumps({"step": step, "ranks": ranks, **split}))
 
     def progress(self, step: int, total: int, fields: dict[str, float]) -> None:
         """A compact live line: step, the given fields, and an ETA from the average pace since this process started."""
@@ -243,15 +327,16 @@ class RunTracker:
         print(f"step {step}/{total} | {shown} | ETA {eta}", flush=True)
 
     def write_json(self, name: str, payload: object) -> None:
-        if self.rank == 0:
-            (self.run_dir / name).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        self.write(self.run_dir / name, self._replace, self.run_dir / name,
+                      json.dumps(payload, indent=2, default=str) + "\n")
 
     def close(self) -> None:
-        if self.rank != 0:
+        """Flush and close the logs (again: nothing)."""
+        if self.rank != 0 or self.writer is None:
             return
-        self.writer.close()
-        self.metrics_file.close()
-        self.perf_file.close()
-        self.timings_file.close()
+        self.write(self.run_dir / "events.out.tfevents.*", self.writer.close)
+        for file in (self.metrics_file, self.perf_file, self.timings_file):
+            file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+        self.writer = None
