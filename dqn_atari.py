@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import tyro
 from gymnasium.wrappers import AtariPreprocessing, ClipReward, FrameStackObservation, RecordEpisodeStatistics
 
-from common.checkpoint import CheckpointWriteFailed, check_resume_args, resolve_checkpoint, save_checkpoint
+from common.checkpoint import CheckpointWriteFailed, check_resume_args, resolve_checkpoint, save_checkpoint, save_object
 from common.determinism import parameter_hash, restore_rng_states, rng_states, seed_everything
 from common.distributed import (
     all_ranks_ok,
@@ -469,10 +469,10 @@ def save(root: Path, state: dict, args: Args, rank: int, world_size: int) -> Pat
     failed write (a full disk) stops every rank with one message (exit 4)."""
     def write(directory: Path) -> None:
         if rank == 0:
-            torch.save({"algorithm": "dqn_atari", "args": dataclasses.asdict(args), "world_size": world_size,
-                        **{key: state[key] for key in SHARED_STATE}}, directory / "trainer_state.pt")
-        torch.save({key: value for key, value in state.items() if key not in (*SHARED_STATE, "buffer")},
-                   directory / f"rank{rank}.pt")
+            save_object({"algorithm": "dqn_atari", "args": dataclasses.asdict(args), "world_size": world_size,
+                         **{key: state[key] for key in SHARED_STATE}}, directory / "trainer_state.pt")
+        save_object({key: value for key, value in state.items() if key not in (*SHARED_STATE, "buffer")},
+                    directory / f"rank{rank}.pt")
         for name, array in state["buffer"].items():
             np.save(directory / f"rank{rank}_buffer_{name}.npy", array)
 
@@ -652,7 +652,7 @@ if __name__ == "__main__":
                         "target_sha256": parameter_hash(target_network)}
         if args.save_model:
             model_path = tracker.run_dir / f"{args.exp_name}.cleanrl_model"
-            tracker.write(model_path, torch.save, q_network.state_dict(), model_path)
+            tracker.write(model_path, save_object, q_network.state_dict(), model_path)
             eval_video_dir = str(tracker.run_dir / "videos_eval") if video_dir else None
             games = evaluate(q_network, args, device, eval_video_dir)
             for episodic_return, length in games:  # all at the final step, so a resume's cut-back stays correct

@@ -2,6 +2,7 @@
 `latest` file naming the newest complete one, so a kill during a save never corrupts the latest checkpoint. For the
 LLM scripts: every rank's own shards of the training state, and a `transformers`-loadable export of the policy."""
 
+import io
 import json
 import os
 import shutil
@@ -12,11 +13,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from common.determinism import rng_states
 from common.distributed import fail, in_brief, save_group
 from common.models import export_pretrained
 from common.tracking import free_space, last_complete
+
+
+def save_object(value: object, path: Path) -> None:
+    """torch.save through memory, so that a full disk raises an OSError naming the file (torch's own file writer
+    raises a RuntimeError naming neither the file nor the cause)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    try:
+        path.write_bytes(buffer.getbuffer())
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from error
 
 
 class CheckpointWriteFailed(Exception):
@@ -44,23 +57,33 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], keep_l
             if flag.item():
                 failures = [None] * dist.get_world_size(group)
                 dist.all_gather_object(failures, failure, group=group)
-        reasons = [f"rank {r}: {message}" for r, message in enumerate(failures) if message is not None]
-        if reasons:
+        ranks_by_reason: dict[str, list[str]] = {}
+        for r, message in enumerate(failures):
+            if message is not None:
+                ranks_by_reason.setdefault(message, []).append(str(r))
+        if ranks_by_reason:
+            reasons = "; ".join(f"{'ranks' if len(ranks) > 1 else 'rank'} {', '.join(ranks)}: {message}"
+                                for message, ranks in ranks_by_reason.items())
+            message = f"checkpoint {final.name} could not be written ({reasons}); {free_space(root)} on the file " \
+                      f"system of {root}; its partial {tmp.name} was removed. "
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 (root / ".latest.tmp").unlink(missing_ok=True)
             if dist.is_initialized():
                 dist.barrier(group=group)  # the partial directory is gone before any rank reports
-            raise CheckpointWriteFailed(
-                f"checkpoint {final.name} could not be written ({'; '.join(reasons)}); {free_space(root)} on "
-                f"{root}'s file system; its partial {tmp.name} was removed. {last_complete(root)}")
+            raise CheckpointWriteFailed(message + last_complete(root))
 
     def attempt(action: Callable[[], None]) -> str | None:
         try:
             action()
-        except Exception as error:  # OSError; safetensors, torch.save and dcp wrap a full disk in their own types
-            where = getattr(error, "filename", None) or tmp
-            return f"{where}: {in_brief(error)}"
+        except (Exception, CheckpointException) as error:  # OSError; safetensors, torch.save and dcp wrap a full
+            # disk in their own types, dcp's with every rank's exception in it
+            cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
+            if isinstance(cause, OSError):  # its message names the file, when it has one
+                return in_brief(cause) if cause.filename else f"{tmp}: {in_brief(cause)}"
+            # torch's zip writer (inside dcp too) reports a full disk without its errno: say what the disk says
+            full = ", no space left on the device" if shutil.disk_usage(root).free < 2**20 else ""
+            return f"{tmp}: {type(cause).__name__}: {str(cause).strip().splitlines()[0]}{full}"
         return None
 
     def prepare() -> None:
@@ -285,7 +308,7 @@ def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[tor
         dcp.save(state, checkpoint_id=str(directory / "trainer"), process_group=save_group())
         export_pretrained(trained["policy"][0], tokenizer, directory)
         if is_writer:
-            torch.save({"step": step, "args": asdict(args), "world_size": dist.get_world_size(), "rng": all_rng,
+            save_object({"step": step, "args": asdict(args), "world_size": dist.get_world_size(), "rng": all_rng,
                         "extra": extra or {}, **({"in_flight": all_in_flight} if in_flight is not None else {})},
                        directory / "trainer_state.pt")
 

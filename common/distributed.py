@@ -6,6 +6,7 @@ it never forces a device round trip and is valid on every backend."""
 import datetime
 import os
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -111,6 +112,19 @@ def fail(message: str, status: int = 2) -> None:
     sys.stderr.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
+    end(status)
+
+
+# The signals common.preemption catches. A process that is ending ignores them: Python gives a caught signal its
+# default action back for its last moments, and torchrun sends SIGTERM to the ranks still exiting once one has
+# exited, which would turn their status into -15.
+STOP_SIGNALS_CAUGHT: list[int] = []
+
+
+def end(status: int) -> None:
+    """Exit with `status`, ignoring the stop signals from here on."""
+    for number in STOP_SIGNALS_CAUGHT:
+        signal.signal(number, signal.SIG_IGN)
     sys.exit(status)
 
 

@@ -41,6 +41,7 @@ from common.distributed import (
     all_gather_rows,
     all_ranks_ok,
     check_shared_filesystem,
+    end,
     exchange,
     fail,
     init_distributed,
@@ -376,10 +377,12 @@ def serve_rollouts(run: LLMRun) -> None:
         if evaluation_due(step, args.eval_every, args.total_steps):
             metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
             send_evaluation(layout, metrics if run.rank == 0 else None)
-        if step_boundary(group=layout.world) and step < args.total_steps:  # the trainers' end_step, in step
-            step_boundary(group=layout.world)  # their checkpoint is written
+        stopping = step_boundary(None, layout.world, engine.close) and step < args.total_steps  # as end_step's
+        if stopping or checkpoint_due(args, step):
+            step_boundary(None, layout.world, engine.close)  # the trainers wrote their checkpoint, or failed to
+        if stopping:
             engine.close()
-            sys.exit(EXIT_PREEMPTED)
+            end(EXIT_PREEMPTED)
     engine.close()
 
 
@@ -743,9 +746,10 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
              extra: dict | None = None) -> None:
     """After the update and the weight sync: stop on a non-finite loss (the last checkpoint is left as it was),
     evaluate when due, log the step, and checkpoint when due (`extra`: state the algorithm carries between steps).
-    Then every rank (the split layout: the rollout ranks too) meets at the step boundary (common/preemption.py):
-    a failed write (a log line, the checkpoint) stops them all with its message, and a stop signal that reached any
-    of them writes a checkpoint now, if this step has none, and ends the run with the line that resumes it."""
+    Every rank (the split layout: the rollout ranks too) meets at the step boundary (common/preemption.py): a failed
+    log write stops them all with its message, and a stop signal that reached any of them writes a checkpoint now
+    and ends the run with the line that resumes it. After a checkpoint they meet again, so that a failed one stops
+    them all too (in the split layout the rollout ranks wait for it, where they would otherwise sample on)."""
     args = run.args
     metrics["perf/step_s"] = time.time() - rollout.started
     reduce_s = time.time() - rollout.timings.pop("synced_at")  # the statistics' collectives, waits included
@@ -757,6 +761,7 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
     tracker.log_timings(step, {**rollout.timings, "train_s": metrics.get("perf/train_s", 0.0), "reduce_s": reduce_s,
                                "step_s": metrics["perf/step_s"]}, rollout.rollout_timings)
     if not all(math.isfinite(value) for name, value in metrics.items() if name.endswith("loss")):
+        engine.close()  # before the process group goes: its shutdown needs it
         fail(f"non-finite loss at step {step}; the last checkpoint is left as it was")
     metrics.update(rollout.rollout_metrics)
     if evaluation_due(step, args.eval_every, args.total_steps):
@@ -765,23 +770,22 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
     shown = {"score": "train/score", "acc": "train/accuracy", "eval_acc": "eval/accuracy",
              "tok/s": "perf/rollout_tokens_per_s"}
     tracker.progress(step, args.total_steps, {label: metrics[key] for label, key in shown.items() if key in metrics})
-    def checkpoint() -> tuple[str | None, Path | None]:  # (why it failed, where it is)
+    group = run.layout.world if run.layout else None  # the split layout: the rollout ranks meet here too
+    stop = step_boundary(tracker.write_failure, group, engine.close)
+    stopping = stop is not None and step < args.total_steps
+    if stopping or checkpoint_due(args, step):
         try:
-            return None, save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer, args,
-                                                  extra, getattr(engine, "in_flight", None))
+            saved, failure = save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer,
+                                                      args, extra, getattr(engine, "in_flight", None)), None
         except CheckpointWriteFailed as error:
-            return str(error), None
-
-    failure, saved = tracker.write_failure, None
-    if failure is None and ((args.save_every and step % args.save_every == 0) or step == args.total_steps):
-        failure, saved = checkpoint()
-    group = run.layout.world if run.layout else None
-    stop = step_boundary(failure, group)
-    if stop and step < args.total_steps:
-        if saved is None:
-            failure, saved = checkpoint()
-        step_boundary(failure, group)  # the rollout ranks, too, wait for the checkpoint and learn how it went
+            saved, failure = None, str(error)
+        step_boundary(failure, group, engine.close)  # every rank, the rollout ranks too, learns how it went
+    if stopping:
         preempted(stop, step, saved, run.rank, tracker.write_json, lambda: shut_down(run, engine, tracker))
+
+
+def checkpoint_due(args: LLMArgs, step: int) -> bool:
+    return bool(args.save_every and step % args.save_every == 0) or step == args.total_steps
 
 
 def shut_down(run: LLMRun, engine: object, tracker: RunTracker) -> None:
@@ -799,7 +803,7 @@ def finish(run: LLMRun, engine: object, tracker: RunTracker, policy: torch.nn.Mo
     final_hash = final_parameter_hash(policy)
     tracker.write_json("final.json", {"step": run.args.total_steps, "parameter_sha256": final_hash, **metrics})
     tracker.close()
-    step_boundary(tracker.write_failure)
+    step_boundary(tracker.write_failure, before_exit=engine.close)
     get_logger(run.rank).info(f"done: held-out greedy accuracy {metrics.get('eval/accuracy', float('nan')):.4f}, "
                               f"parameters sha256 {final_hash[:16]}")
     shut_down(run, engine, tracker)

@@ -25,14 +25,13 @@ after --shutdown-timeout)."""
 
 import os
 import signal
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common.distributed import fail
+from common.distributed import STOP_SIGNALS_CAUGHT, end, fail
 from common.tracking import resume_command
 
 EXIT_PREEMPTED = 3
@@ -60,12 +59,15 @@ def catch_stop_signals(names: Sequence[str]) -> None:
         number = signal.Signals[name]
         signal.signal(number, note)
         signal.siginterrupt(number, False)  # interrupted system calls (gloo's, the engine's) restart, not fail
+        STOP_SIGNALS_CAUGHT.append(number)
 
 
-def step_boundary(failure: str | None = None, group: dist.ProcessGroup | None = None) -> str | None:
+def step_boundary(failure: str | None = None, group: dist.ProcessGroup | None = None,
+                  before_exit: Callable[[], None] | None = None) -> str | None:
     """A collective of every rank of `group` (default: the default group) at the end of a step. When a write failed
-    on any rank (`failure`: this rank's message, or None), every rank stops with that message (exit 4). Otherwise
-    returns the name of the stop signal any rank has received, or None."""
+    on any rank (`failure`: this rank's message, or None), every rank stops with that message (exit 4), after
+    `before_exit` (e.g. the engine's close, which needs the process group). Otherwise returns the name of the stop
+    signal any rank has received, or None."""
     flags = torch.tensor([_received, int(failure is not None)])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
@@ -73,6 +75,8 @@ def step_boundary(failure: str | None = None, group: dist.ProcessGroup | None = 
         messages = [None] * dist.get_world_size(group) if dist.is_initialized() else [failure]
         if dist.is_initialized():
             dist.all_gather_object(messages, failure, group=group)
+        if before_exit is not None:
+            before_exit()
         fail(next(message for message in messages if message is not None), EXIT_WRITE_FAILED)
     return signal.Signals(int(flags[0])).name if flags[0] else None
 
@@ -88,4 +92,4 @@ def preempted(signal_name: str, step: int, checkpoint: Path, rank: int, record: 
                                 "checkpoint": os.path.abspath(checkpoint), "resume_command": command})
         print(f"preempted by {signal_name} after step {step}, checkpoint written; resume with: {command}", flush=True)
     shut_down()
-    sys.exit(EXIT_PREEMPTED)
+    end(EXIT_PREEMPTED)

@@ -120,3 +120,38 @@ def world_of_one(monkeypatch):
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def preempt_at_random(command: list[str], output: Path, marker: str, window_s: float, env: dict[str, str] | None = None,
+                      stop_signal: int = 15) -> tuple[int, str, float]:
+    """Start `command` (a launcher) with its output in the file `output`, wait until `marker` is printed, send it
+    `stop_signal` (SIGTERM) after a random delay in [0, window_s) and wait for its end. Returns (exit status,
+    output, delay), the delay for the message of a failing test."""
+    import random
+    import time
+
+    delay = random.Random().uniform(0, window_s)
+    with open(output, "w") as sink:  # a file, not a pipe nobody reads, which would block
+        launcher = subprocess.Popen(command, cwd=ROOT, env=env or script_env(), stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while marker not in output.read_text() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(delay)
+        launcher.send_signal(stop_signal)
+        status = launcher.wait(timeout=300)
+    finally:
+        launcher.kill()
+    return status, output.read_text(), delay
+
+
+def resume_line(text: str) -> list[str]:
+    """The command of the one `preempted by ... resume with: COMMAND` line in a run's output, as an argv list that
+    runs here (torchrun and python as this interpreter's)."""
+    import shlex
+
+    lines = [line for line in text.splitlines() if line.startswith("preempted by ")]
+    assert len(lines) == 1, text[-4000:]
+    words = shlex.split(lines[0].split("resume with: ", 1)[1])
+    launcher = [sys.executable, "-m", "torch.distributed.run"] if words[0] == "torchrun" else [sys.executable]
+    return [*launcher, *words[1:]]

@@ -7,14 +7,19 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import pytest
 import torch
+from conftest import only_run_dir, preempt_at_random, read_metrics, resume_line, script_env
 from gymnasium.wrappers import AtariPreprocessing
 
 import dqn_atari as dqn
@@ -504,10 +509,62 @@ def test_torchrun_two_ranks_agree_and_are_reproducible(torchrun_run: Path, tmp_p
     assert final(again)["parameter_sha256"] == final(torchrun_run)["parameter_sha256"]
 
 
-def test_torchrun_resume_equals_the_uninterrupted_run(torchrun_run: Path, tmp_path: Path):
-    resumed = resume_in_copy(torchrun_run, tmp_path, TINY, nproc=2)
-    assert metric_lines(resumed) == metric_lines(torchrun_run)
-    assert final(resumed)["parameter_sha256"] == final(torchrun_run)["parameter_sha256"]
+def test_torchrun_preempted_at_a_random_moment_then_killed_mid_save_resumes_exactly(torchrun_run: Path,
+                                                                                     tmp_path: Path):
+    """SIGTERM to the launcher at a random moment: every rank stops at the same LOG_EVERY boundary with one
+    checkpoint and the line that resumes it. That resume is then killed (SIGKILL to its launcher) in the middle of
+    its next save (rank 0 sleeps before publishing it, tests/slow_rank.py): `latest` still names the preemption's
+    checkpoint, which resumes to the uninterrupted run's metrics and weights."""
+    sps = statistics.median(p["charts/SPS"] for p in read_metrics(torchrun_run, "perf.jsonl") if "charts/SPS" in p)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "--shutdown-timeout", "120", "dqn_atari.py", *TINY, "--run-root", str(tmp_path / "runs")]
+    status, text, delay = preempt_at_random(command, tmp_path / "output.txt", "step 100/1200", 500 / sps)
+    context = f"SIGTERM {delay:.2f} s after the first progress line\n{text[-4000:]}"
+    run_dir = only_run_dir(tmp_path / "runs")
+    stopped = json.loads((run_dir / "stopped.json").read_text())
+    assert status != 0 and stopped["exit_status"] == 3 and stopped["signal"] == "SIGTERM", context
+    assert stopped["step"] % dqn.LOG_EVERY == 0 and stopped["step"] < 1200, context
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == Path(stopped["checkpoint"]).name, context
+
+    resume = resume_line(text)
+    script = resume.index("dqn_atari.py")
+    slow = [*resume[:script], "tests/slow_rank.py", *resume[script:]]
+    with open(tmp_path / "killed.txt", "w") as sink:
+        launcher = subprocess.Popen(slow, cwd=ROOT, env={**script_env(), "SLOW_RANK": "0", "SLOW_SAVE_S": "120"},
+                                    stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(checkpoints.glob(".step_*.tmp")) and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = psutil.Process(launcher.pid).children(recursive=True)
+        launcher.send_signal(signal.SIGKILL)  # the workers die with it (PR_SET_PDEATHSIG)
+        launcher.wait()
+        psutil.wait_procs(workers, timeout=30)
+    finally:
+        launcher.kill()
+    partial = list(checkpoints.glob(".step_*.tmp"))
+    assert len(partial) == 1, (tmp_path / "killed.txt").read_text()[-4000:]
+    assert (checkpoints / "latest").read_text().strip() == Path(stopped["checkpoint"]).name
+    resumed = subprocess.run(resume, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert metric_lines(run_dir) == metric_lines(torchrun_run), context
+    assert final(run_dir)["parameter_sha256"] == final(torchrun_run)["parameter_sha256"]
+    assert not list(checkpoints.glob(".step_*.tmp")) and not (run_dir / "stopped.json").exists()
+
+
+def test_a_configured_stop_signal_ends_a_python_run_with_status_3(tmp_path: Path):
+    """--stop-signals SIGUSR2 under plain python: the run's own exit status is 3, after one checkpoint at a
+    LOG_EVERY boundary, with the resume line and stopped.json."""
+    command = [sys.executable, "dqn_atari.py", *TINY, "--stop-signals", "SIGUSR2", "--run-root", str(tmp_path)]
+    status, text, delay = preempt_at_random(command, tmp_path / "output.txt", "step 100/1200", 1.0,
+                                            stop_signal=signal.SIGUSR2)
+    run_dir = only_run_dir(tmp_path)
+    stopped = json.loads((run_dir / "stopped.json").read_text())
+    assert status == 3 and stopped["signal"] == "SIGUSR2", text[-4000:]
+    assert f"preempted by SIGUSR2 after step {stopped['step']}, checkpoint written; resume with: python dqn_atari.py" \
+        in text and stopped["resume_command"].endswith(f"--resume {stopped['checkpoint']}")
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == Path(stopped["checkpoint"]).name
 
 
 def test_three_envs_per_rank_update_as_the_schedule_implies(tmp_path: Path):

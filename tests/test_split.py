@@ -3,12 +3,13 @@
 one-step-off runs that give the same bits with a slow rank and after a resume."""
 
 import json
+import statistics
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, check, only_run_dir, read_metrics, run_script, script_env
+from conftest import ROOT, check, only_run_dir, preempt_at_random, read_metrics, resume_line, run_script, script_env
 
 import grpo_llm
 from common import layout
@@ -94,24 +95,26 @@ def test_one_plus_one_split_equals_the_single_process_run(script: str, tmp_path)
     assert all("perf/trainer_wait_s" in p and "perf/rollout_wait_s" in p for p in perf if p["step"])
 
 
-def run_one_step_off(run_root, extra: list[str], slow: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def one_step_off(run_root, extra: list[str], slow: bool = False) -> list[str]:
     """One-step-off GRPO on multi-turn episodes (tests/second_look_task.py: two model turns around a reply), with
-    dynamic sampling."""
+    dynamic sampling; through tests/slow_rank.py when `slow`."""
     args = [*SHORT, "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--rollout-ranks", "1",
             "--max-staleness", "1", "--task", "tests/second_look_task.py:SecondLookTask", "--max-completion-length",
             "16", "--dynamic-sampling-rounds", "2", "--run-root", str(run_root), *extra]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "--shutdown-timeout", "300"]
     script = [str(ROOT / "tests" / "slow_rank.py"), "grpo_llm.py"] if slow else ["grpo_llm.py"]
-    return subprocess.run([*launcher, *script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**script_env(), **(slow or {})})
+    return [*launcher, *script, *args]
 
 
 def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
-    """The same one-step-off run (of multi-turn episodes, with DAPO's dynamic sampling on the rollout side) three
-    times: as is; with the rollout rank sleeping 2 s before every generation (the trainer then waits for samples);
-    resumed from step 2's checkpoint with the trainer sleeping 0.5 s before every update. Same metrics.jsonl bytes and
-    final weights each time: the schedule is fixed, whatever is ready first."""
-    check(run_one_step_off(tmp_path / "plain", []))
+    """The same one-step-off run (of multi-turn episodes, with DAPO's dynamic sampling on the rollout side) as is;
+    then with the rollout rank sleeping 2 s before every generation (the trainer then waits for samples) and stopped
+    by SIGTERM to torchrun at a random moment of steps 1-3; then resumed by the line it printed, with the trainer
+    sleeping 0.5 s before every update. Same metrics.jsonl bytes and final weights: the schedule is fixed, whatever is
+    ready first, and the batch in flight travels in the preemption's checkpoint."""
+    check(subprocess.run(one_step_off(tmp_path / "plain", []), cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=script_env()))
     plain = only_run_dir(tmp_path / "plain")
     reference, reference_hash = (plain / "metrics.jsonl").read_bytes(), final_hash(plain)
     steps = [m for m in read_metrics(plain) if m["step"]]
@@ -125,16 +128,25 @@ def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
     assert in_flight[0]["version"] == 1 and len(in_flight[0]["samples"]) == 16 * 4  # step 3's batch, trainer 0's rows
     assert len(in_flight[0]["indices"]) == 16 * 4  # and the prompts they answer (dynamic sampling refills)
 
-    check(run_one_step_off(tmp_path / "slow_rollout", [], {"SLOW_RANK": "1", "SLOW_GENERATE_S": "2.0"}))
-    slow_rollout = only_run_dir(tmp_path / "slow_rollout")
-    assert (slow_rollout / "metrics.jsonl").read_bytes() == reference
-    assert final_hash(slow_rollout) == reference_hash
-    def trainer_wait(run_dir) -> float:  # steps 1-3 wait for a generation (step 4 trains the last batch)
-        return sum(p["perf/trainer_wait_s"] for p in read_metrics(run_dir, "perf.jsonl") if p["step"] in (1, 2, 3))
-    assert trainer_wait(slow_rollout) - trainer_wait(plain) > 3.0  # the sleeps acted: 3 x 2 s, less some training
+    step_s = statistics.median(p["perf/step_s"] for p in read_metrics(plain, "perf.jsonl") if p["step"])
+    status, text, delay = preempt_at_random(one_step_off(tmp_path / "slow", [], slow=True), tmp_path / "output.txt",
+                                            "step 1/4", 1.5 * (step_s + 2.0),
+                                            {**script_env(), "SLOW_RANK": "1", "SLOW_GENERATE_S": "2.0"})
+    context = f"SIGTERM {delay:.2f} s after step 1's line\n{text[-4000:]}"
+    slow = only_run_dir(tmp_path / "slow")
+    stopped = json.loads((slow / "stopped.json").read_text())
+    assert status != 0 and stopped["exit_status"] == 3 and 1 <= stopped["step"] <= 3, context
+    trained = stopped["step"]
 
-    check(run_one_step_off(tmp_path / "unused", ["--resume", str(checkpoint)], {"SLOW_RANK": "0",
-                                                                                  "SLOW_UPDATE_S": "0.5"}))
-    assert (plain / "metrics.jsonl").read_bytes() == reference  # the resume continued in the same run directory
-    assert final_hash(plain) == reference_hash
-    assert min(p["perf/train_s"] for p in read_metrics(plain, "perf.jsonl") if p["step"] > 2) > 0.5
+    def trainer_wait(run_dir) -> float:  # the steps trained before the stop, each waiting for a generation
+        return sum(p["perf/trainer_wait_s"] for p in read_metrics(run_dir, "perf.jsonl") if 1 <= p["step"] <= trained)
+    assert trainer_wait(slow) - trainer_wait(plain) > 1.0 * trained, context  # the sleeps acted
+
+    resume = resume_line(text)
+    script = resume.index("grpo_llm.py")
+    check(subprocess.run([*resume[:script], str(ROOT / "tests" / "slow_rank.py"), *resume[script:]], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env={**script_env(), "SLOW_RANK": "0", "SLOW_UPDATE_S": "0.5"}))
+    assert (slow / "metrics.jsonl").read_bytes() == reference, context  # continued in the same run directory
+    assert final_hash(slow) == reference_hash
+    assert min(p["perf/train_s"] for p in read_metrics(slow, "perf.jsonl") if p["step"] > trained) > 0.5
