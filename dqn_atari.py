@@ -476,10 +476,14 @@ def save(root: Path, state: dict, args: Args, rank: int, world_size: int) -> Pat
         for name, array in state["buffer"].items():
             np.save(directory / f"rank{rank}_buffer_{name}.npy", array)
 
+    started = time.time()
     try:
-        return save_checkpoint(root, state["global_step"], write, args.keep_last, save_group())
+        directory = save_checkpoint(root, state["global_step"], write, args.keep_last, save_group())
     except CheckpointWriteFailed as error:  # raised on every rank alike
         fail(str(error), EXIT_WRITE_FAILED)
+    if rank == 0:  # a preemption's grace period must cover this
+        get_logger(rank).info(f"checkpoint {directory.name} written in {time.time() - started:.1f} s")
+    return directory
 
 
 def load(path: str, args: Args, rank: int, world_size: int) -> tuple[Path, dict]:

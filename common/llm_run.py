@@ -774,12 +774,15 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
     stop = step_boundary(tracker.write_failure, group, engine.close)
     stopping = stop is not None and step < args.total_steps
     if stopping or checkpoint_due(args, step):
+        started = time.time()
         try:
             saved, failure = save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer,
                                                       args, extra, getattr(engine, "in_flight", None)), None
         except CheckpointWriteFailed as error:
             saved, failure = None, str(error)
         step_boundary(failure, group, engine.close)  # every rank, the rollout ranks too, learns how it went
+        if run.rank == 0:  # a preemption's grace period must cover a step (perf/step_s) and this
+            get_logger(0).info(f"checkpoint {saved.name} written in {time.time() - started:.1f} s")
     if stopping:
         preempted(stop, step, saved, run.rank, tracker.write_json, lambda: shut_down(run, engine, tracker))
 

@@ -17,8 +17,8 @@ only set a flag. The loop reads it where its ranks meet anyway, at the end of a 
 of two integers over every rank (a CPU tensor: gloo, valid beside NCCL; at 1,024 ranks about 2 x 1,023 hops of a ring,
 tens of milliseconds per step, as the step's other bookkeeping collectives). So a signal that reached some ranks only,
 or at different moments, stops every rank after the same step, and no rank waits alone in a collective. The step under
-way finishes first, then one checkpoint is written: the bound is one step plus one save (perf/step_s and the save's
-seconds are logged), which the grace period before SIGKILL must cover (SLURM: the `--signal` lead time; torchrun:
+way finishes first, then one checkpoint is written: the bound is one step plus one save (perf/step_s, and each save's
+seconds in the log), which the grace period before SIGKILL must cover (SLURM: the `--signal` lead time; torchrun:
 `--shutdown-timeout`, 30 s by default). A worker that crashes alone makes torchrun send SIGTERM to the others too: they
 then end at their next collective with the dead rank (gloo raises at once; NCCL at its timeout, or torchrun's SIGKILL
 after --shutdown-timeout)."""

@@ -109,7 +109,7 @@ def one_step_off(run_root, extra: list[str], slow: bool = False) -> list[str]:
 
 def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
     """The same one-step-off run (of multi-turn episodes, with DAPO's dynamic sampling on the rollout side) as is;
-    then with the rollout rank sleeping 2 s before every generation (the trainer then waits for samples) and stopped
+    then with the rollout rank sleeping 1.5 s before every generation (the trainer then waits for samples) and stopped
     by SIGTERM to torchrun at a random moment of steps 1-3; then resumed by the line it printed, with the trainer
     sleeping 0.5 s before every update. Same metrics.jsonl bytes and final weights: the schedule is fixed, whatever is
     ready first, and the batch in flight travels in the preemption's checkpoint."""
@@ -130,8 +130,8 @@ def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
 
     step_s = statistics.median(p["perf/step_s"] for p in read_metrics(plain, "perf.jsonl") if p["step"])
     status, text, delay = preempt_at_random(one_step_off(tmp_path / "slow", [], slow=True), tmp_path / "output.txt",
-                                            "step 1/4", 1.5 * (step_s + 2.0),
-                                            {**script_env(), "SLOW_RANK": "1", "SLOW_GENERATE_S": "2.0"})
+                                            "step 1/4", 1.5 * (step_s + 1.5),
+                                            {**script_env(), "SLOW_RANK": "1", "SLOW_GENERATE_S": "1.5"})
     context = f"SIGTERM {delay:.2f} s after step 1's line\n{text[-4000:]}"
     slow = only_run_dir(tmp_path / "slow")
     stopped = json.loads((slow / "stopped.json").read_text())
@@ -140,7 +140,7 @@ def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
 
     def trainer_wait(run_dir) -> float:  # the steps trained before the stop, each waiting for a generation
         return sum(p["perf/trainer_wait_s"] for p in read_metrics(run_dir, "perf.jsonl") if 1 <= p["step"] <= trained)
-    assert trainer_wait(slow) - trainer_wait(plain) > 1.0 * trained, context  # the sleeps acted
+    assert trainer_wait(slow) - trainer_wait(plain) > 0.75 * trained, context  # the sleeps acted
 
     resume = resume_line(text)
     script = resume.index("grpo_llm.py")
