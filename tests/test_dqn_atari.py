@@ -593,6 +593,7 @@ def test_resume_with_two_envs_equals_the_uninterrupted_run(tmp_path: Path):
     (["--num-envs", "0"], "must be positive"),
     (["--learning-starts", "2000", "--total-timesteps", "1000"], "must be below --total-timesteps"),
     (["--resume", "/nonexistent/checkpoint"], "no complete checkpoint"),
+    (["--stop-signals", "SIGTERM", "SIGKILL"], "'SIGKILL' is not a signal a process can catch"),
 ])
 def test_bad_input_fails_clearly(args: list[str], message: str, tmp_path: Path):
     result = run(args, tmp_path)
