@@ -19,7 +19,6 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import only_run_dir, preempt_at_random, read_metrics, resume_line, script_env
 from gymnasium.wrappers import AtariPreprocessing
 
 import dqn_atari as dqn
@@ -515,6 +514,9 @@ def test_torchrun_preempted_at_a_random_moment_then_killed_mid_save_resumes_exac
     checkpoint and the line that resumes it. That resume is then killed (SIGKILL to its launcher) in the middle of
     its next save (rank 0 sleeps before publishing it, tests/slow_rank.py): `latest` still names the preemption's
     checkpoint, which resumes to the uninterrupted run's metrics and weights."""
+    from conftest import only_run_dir, preempt_at_random, read_metrics, resume_line, script_env  # not at the top: the
+    # gradient worker imports this module outside pytest
+
     sps = statistics.median(p["charts/SPS"] for p in read_metrics(torchrun_run, "perf.jsonl") if "charts/SPS" in p)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "--shutdown-timeout", "120", "dqn_atari.py", *TINY, "--run-root", str(tmp_path / "runs")]
@@ -556,6 +558,8 @@ def test_torchrun_preempted_at_a_random_moment_then_killed_mid_save_resumes_exac
 def test_a_configured_stop_signal_ends_a_python_run_with_status_3(tmp_path: Path):
     """--stop-signals SIGUSR2 under plain python: the run's own exit status is 3, after one checkpoint at a
     LOG_EVERY boundary, with the resume line and stopped.json."""
+    from conftest import only_run_dir, preempt_at_random
+
     command = [sys.executable, "dqn_atari.py", *TINY, "--stop-signals", "SIGUSR2", "--run-root", str(tmp_path)]
     status, text, delay = preempt_at_random(command, tmp_path / "output.txt", "step 100/1200", 1.0,
                                             stop_signal=signal.SIGUSR2)
