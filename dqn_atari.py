@@ -32,14 +32,7 @@ from gymnasium.wrappers import AtariPreprocessing, ClipReward, FrameStackObserva
 
 from common.checkpoint import CheckpointWriteFailed, check_resume_args, resolve_checkpoint, save_checkpoint, save_object
 from common.determinism import parameter_hash, restore_rng_states, rng_states, seed_everything
-from common.distributed import (
-    all_ranks_ok,
-    check_shared_filesystem,
-    fail,
-    init_distributed,
-    reduce_stats,
-    save_group,
-)
+from common.distributed import all_ranks_ok, check_shared_filesystem, fail, init_distributed, reduce_stats, save_group
 from common.preemption import (
     DEFAULT_STOP_SIGNALS,
     EXIT_WRITE_FAILED,
@@ -82,7 +75,7 @@ class Args:
     run_root: str = "runs"
     """directory under which the run directory is created"""
     env_id: str = "BreakoutNoFrameskip-v4"
-    """an ALE id: `<Game>NoFrameskip-v4` or `ALE/<Game>-v5` (v5 is run with the v4 settings, see README)"""
+    """an ALE id: `<Game>NoFrameskip-v4` or `ALE/<Game>-v5` (v5 is run with the v4 settings, see docs/dqn.md)"""
     total_timesteps: int = 10_000_000
     """environment steps (agent steps, 4 frames each) over all environments and ranks"""
     learning_rate: float = 1e-4

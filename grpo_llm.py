@@ -13,7 +13,7 @@ min(pi_old / pi_rollout, cap).
 
 Each torchrun rank holds one vLLM engine for rollouts and one FSDP2 shard of the policy for training; after every
 update the weights stream into the engine. Same arguments + same machine + same world size = same bits. With
-`--rollout-ranks K` the last K ranks only generate and the others only train (common/layout.py), and with
+`--rollout-ranks K` the last K ranks only generate and the others only train (common/llm/layout.py), and with
 `--max-staleness 1` batch t + 1 is sampled while batch t trains: pi_rollout is then the policy before the previous
 update, TIS corrects for it, and `--seq-mask-cap` drops the completions that moved furthest. The schedule is fixed,
 so the split layout keeps the same-bits promise (at the same K).
@@ -33,28 +33,20 @@ import torch
 import torch.distributed as dist
 import tyro
 
-from common.batching import PACKED_ATTENTION, PADDED_ATTENTION, mismatch_stats, token_logprobs
 from common.distributed import Totals, fail, reduce_stats
-from common.llm_run import (
-    LLMArgs,
-    balance_tokens,
-    check_llm_args,
-    end_step,
-    finish,
-    generate,
-    micro_batches,
-    prepare_run,
-    split,
-    start_training,
-    sync_weights,
-)
-from common.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
+from common.llm.attention import PACKED_ATTENTION, PADDED_ATTENTION
+from common.llm.balancing import balance_tokens
+from common.llm.batching import micro_batches, mismatch_stats, split, token_logprobs
+from common.llm.lifecycle import check_llm_args, end_step, finish, prepare_run, start_training
+from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
+from common.llm.rollouts import generate, sync_weights
+from common.llm.state import LLMArgs
 
 
 @dataclass
 class Args(LLMArgs):
     """GRPO's own flags. The shared ones (model, task, steps, prompts, G, optimizer, engine, FSDP, evaluation,
-    checkpoints) and their defaults: LLMArgs in common/llm_run.py."""
+    checkpoints) and their defaults: LLMArgs in common/llm/state.py."""
     exp_name: str = "grpo_llm"
     """the name of this experiment (the run directory is runs/{exp_name}__{seed}__{timestamp})"""
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
@@ -303,7 +295,7 @@ if __name__ == "__main__":
             scores = scores + overlong_penalty(lengths[rank], args.max_completion_length, args.overlong_buffer)
 
         # ================================ ALGORITHM ================================
-        # What the loss receives, per micro-batch `batch` of B completions (common/batching.py):
+        # What the loss receives, per micro-batch `batch` of B completions (common/llm/batching.py):
         #   logprobs      [B, C] log pi_theta(token | prompt, earlier tokens) after temperature, with gradient;
         #   old_logprobs  under the policy before this batch's first update (with one update: = logprobs);
         #   rollout_logprobs (batch.rollout_logprobs) under the engine that sampled them; ref_logprobs under the

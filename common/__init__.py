@@ -1,1 +1,2 @@
-"""Infrastructure shared by the single-file scripts; the algorithms live in the scripts (README: reading order)."""
+"""What all four scripts share: determinism, the process group, the run directory and its logs, checkpoints,
+preemption. The LLM scripts' own plumbing is `common.llm`; the tasks are the top-level package `tasks`."""

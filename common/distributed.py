@@ -3,6 +3,7 @@ carries gloo for CPU tensors and NCCL for CUDA tensors (`cpu:gloo,cuda:nccl`); t
 shards) go through NCCL, bookkeeping (statistics, counts, flags, objects) stays on the CPU and goes through gloo, so
 it never forces a device round trip and is valid on every backend."""
 
+import contextlib
 import datetime
 import os
 import secrets
@@ -10,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -105,11 +107,25 @@ def save_group() -> dist.ProcessGroup:
     return _save_group
 
 
+# What must run while the process group still exists when `fail` leaves it: an embedded vLLM engine's shutdown
+# destroys its own groups, and left to its exit handler, after the group is gone, it prints a traceback on every rank
+# below the message that says why the run stopped.
+_before_leaving: list[Callable[[], None]] = []
+
+
+def run_before_leaving(action: Callable[[], None]) -> None:
+    """Have `fail` run `action` (e.g. an engine's close) before it leaves the process group."""
+    _before_leaving.append(action)
+
+
 def fail(message: str, status: int = 2) -> None:
     """Stop with a clear message and exit code `status` (2: refused; the others: common/preemption.py). Call it on
     every rank (checks are cheap and identical), so no rank is left waiting in a collective."""
     sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a pipe (torchrun's) do not interleave lines
     sys.stderr.flush()
+    while _before_leaving:
+        with contextlib.suppress(Exception):  # the run stops for the reason above whatever a shutdown says
+            _before_leaving.pop()()
     if dist.is_initialized():
         dist.destroy_process_group()
     end(status)
@@ -186,26 +202,6 @@ def all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     gather(out, tensor.contiguous(), group=group)  # the concatenated form: gloo accepts no other
     return out.view(size, *tensor.shape)
-
-
-def exchange(outgoing: list[list[float]], incoming_sizes: list[int], dtype: torch.dtype) -> list[float]:
-    """Point to point: `outgoing[p]` goes to rank p, `incoming_sizes[p]` values come from rank p; returns what came,
-    in rank order, this rank's own part copied locally. Only non-empty pairs exchange a message, over gloo (CPU
-    tensors): every rank knows the plan, so no rank posts a zero-byte send. An unequal-split all-to-all on NCCL
-    would post a send and a receive to every peer, and NCCL sets up a connection per peer and channel the first
-    time a pair exchanges, with the buffers of all three protocols (12 MiB per channel and peer inside a node, by
-    NCCL 2.30's source; benchmarks/memory_estimate.py --outside-the-step): memory and connection time growing with
-    the world size, for bookkeeping built on the host anyway."""
-    rank = dist.get_rank()
-    received = [torch.zeros(size, dtype=dtype) for size in incoming_sizes]
-    requests = [dist.irecv(received[peer], src=peer) for peer, size in enumerate(incoming_sizes)
-                if size and peer != rank]
-    requests += [dist.isend(torch.tensor(values, dtype=dtype), dst=peer) for peer, values in enumerate(outgoing)
-                 if values and peer != rank]
-    for request in requests:
-        request.wait()
-    received[rank] = torch.tensor(outgoing[rank], dtype=dtype)
-    return [value for part in received for value in part.tolist()]
 
 
 def check_shared_filesystem(path: Path, create: bool) -> None:

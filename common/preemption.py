@@ -10,7 +10,7 @@ Exit statuses, the same in every script and on every rank:
     4  a write failed (no space left, a quota, an I/O error): the checkpoints before it are complete, and named
 torchrun exits 1 whenever a worker exits with anything but 0 (its failure table lists each worker's status) and when
 it was signalled itself, so rank 0 also records a preemption in `{run_dir}/stopped.json` (status, signal, step,
-checkpoint, resume command) for a batch script to read (README, "Running under SLURM").
+checkpoint, resume command) for a batch script to read (docs/scaling.md, "Running under SLURM").
 
 Signals (`--stop-signals`, default SIGTERM, which torchrun forwards, and SIGUSR1, which SLURM's `--signal` can send)
 only set a flag. The loop reads it where its ranks meet anyway, at the end of a step: `step_boundary`, one all-reduce

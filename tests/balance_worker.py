@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from common.determinism import parameter_hash
 from common.distributed import all_gather_rows, init_distributed
-from common.llm_run import LLMRun, Rollout, balance_tokens, micro_batches, split
-from common.models import load_model
-from common.rollout import Sample
+from common.llm.balancing import balance_tokens
+from common.llm.batching import micro_batches, split
+from common.llm.models import load_model
+from common.llm.state import LLMRun, Rollout, Sample
 from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
 
 TINY = "assets/tiny-adder"
@@ -41,7 +42,7 @@ def skewed_rollout(rank: int, world_size: int) -> tuple[Rollout, torch.Tensor]:
 
 def loss_and_gradient(policy: torch.nn.Module, run: LLMRun, rollout: Rollout, advantages: torch.Tensor,
                       pieces: list, share_prompts: bool, num_tokens: int, num_sequences: int) -> dict:
-    from common.batching import token_logprobs
+    from common.llm.batching import token_logprobs
 
     total = torch.zeros(())
     for batch, rows in zip(micro_batches(rollout, pieces, run, share_prompts), pieces):

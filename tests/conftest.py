@@ -1,11 +1,19 @@
-"""Shared helpers: run a script as a subprocess (plain python or torchrun) and read its run directory."""
+"""Shared helpers: run a script as a subprocess (plain python or torchrun) and read its run directory. And the two
+tiers: a test is end to end (marker `e2e`) when it, a fixture it uses or a helper of its module it calls starts a
+process: a script under python or torchrun, a worker, a subprocess. `make test-fast` runs the others
+(`pytest -m "not e2e"`); `make test` runs all. The marking is automatic, from the tests' own code, so a new test lands
+in the right tier without a list to keep."""
 
+import ast
+import inspect
 import json
 import os
 import socket
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -155,3 +163,53 @@ def resume_line(text: str) -> list[str]:
     words = shlex.split(lines[0].split("resume with: ", 1)[1])
     launcher = [sys.executable, "-m", "torch.distributed.run"] if words[0] == "torchrun" else [sys.executable]
     return [*launcher, *words[1:]]
+
+
+# What starts a process in a test's code: this module's launchers, subprocess, multiprocessing.
+STARTS_A_PROCESS = {"run_script", "run_agents", "preempt_at_random", "subprocess", "Popen", "multiprocessing",
+                    "mp"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: starts a process (a script, a worker); left out by make test-fast")
+
+
+@cache
+def names_used(function: object) -> frozenset[str]:
+    """Every name and attribute a function's source mentions (its decorators' too)."""
+    try:
+        tree = ast.parse(inspect.getsource(function).lstrip())  # a method's or a nested function's indented source
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return frozenset()
+    return frozenset(node.id if isinstance(node, ast.Name) else node.attr for node in ast.walk(tree)
+                     if isinstance(node, ast.Name | ast.Attribute))
+
+
+@cache
+def spawning_helpers(module: ModuleType) -> frozenset[str]:
+    """The module-level functions of a test module that start a process, directly or through one another."""
+    functions = {name: value for name, value in vars(module).items()
+                 if inspect.isfunction(value) and value.__module__ == module.__name__}
+    spawning: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, function in functions.items():
+            if name not in spawning and names_used(function) & (STARTS_A_PROCESS | spawning):
+                spawning.add(name)
+                changed = True
+    return frozenset(spawning)
+
+
+def starts_a_process(function: object, module: ModuleType) -> bool:
+    return bool(names_used(function) & (STARTS_A_PROCESS | spawning_helpers(module)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        definitions = [definition for name in item.fixturenames
+                       for definition in item._fixtureinfo.name2fixturedefs.get(name, ())]
+        functions = [(item.function, item.module)] + [
+            (definition.func, sys.modules.get(definition.func.__module__)) for definition in definitions]
+        if any(module is not None and starts_a_process(function, module) for function, module in functions):
+            item.add_marker(pytest.mark.e2e)

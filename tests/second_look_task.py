@@ -2,7 +2,7 @@
 replies `+0=` (the same sum again); the episode's reward is the addition reward of the first answer, given when the
 second ends it (so both turns' tokens carry its advantage, and the reply's none)."""
 
-from common.tasks import AdditionTask, Environment
+from tasks import AdditionTask, Environment
 
 
 class SecondLookEnvironment(Environment):
@@ -27,12 +27,14 @@ class SecondLookTask(AdditionTask):
 
 
 class BrokenOnRankOneTask(SecondLookTask):
-    """Its environment raises on rank 1 only: every rank must still stop with the message, none may hang."""
+    """Its environment raises on rank 1 only, after the engines started (no start-up probe): every rank must still
+    stop with the message, none may hang."""
 
     def environment(self) -> Environment:
         import os
 
         environment = SecondLookEnvironment(self)
+        environment.probe_text = None
         if os.environ.get("RANK") == "1":
             environment.step = lambda text: 1 / 0
         return environment

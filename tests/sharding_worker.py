@@ -18,9 +18,9 @@ from transformers.utils import logging as transformers_logging
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import models  # noqa: E402
-from common.batching import make_batch, token_logprobs  # noqa: E402
 from common.distributed import init_distributed  # noqa: E402
+from common.llm import models  # noqa: E402
+from common.llm.batching import make_batch, token_logprobs  # noqa: E402
 
 TINY = str(ROOT / "assets" / "tiny-adder")
 CPU = torch.device("cpu")

@@ -10,22 +10,22 @@ import sys
 import time
 
 import common.checkpoint
-import common.models
-import common.rollout
+import common.llm.engines
+import common.llm.models
 
 if int(os.environ["RANK"]) == int(os.environ["SLOW_RANK"]):
     generate_s, update_s = float(os.environ.get("SLOW_GENERATE_S", 0)), float(os.environ.get("SLOW_UPDATE_S", 0))
-    for engine in (common.rollout.VLLMEngine, common.rollout.HFEngine, common.rollout.FakeEngine):
+    for engine in (common.llm.engines.VLLMEngine, common.llm.engines.HFEngine, common.llm.engines.FakeEngine):
         def slow_generate(self, *args, _generate=engine.generate, **kwargs):
             time.sleep(generate_s)
             return _generate(self, *args, **kwargs)
         engine.generate = slow_generate
-    fast_step = common.models.optimizer_step
+    fast_step = common.llm.models.optimizer_step
 
     def slow_step(*args, **kwargs):
         time.sleep(update_s)
         return fast_step(*args, **kwargs)
-    common.models.optimizer_step = slow_step  # before the script imports it by name
+    common.llm.models.optimizer_step = slow_step  # before the script imports it by name
     save_s, fast_save = float(os.environ.get("SLOW_SAVE_S", 0)), common.checkpoint.save_checkpoint
 
     def slow_save(root, step, write, *args, **kwargs):

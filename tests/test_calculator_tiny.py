@@ -1,11 +1,11 @@
-"""TinyCalculatorTask (common/tasks/calculator_tiny.py): its problems, its bracket call syntax, the environment's
+"""TinyCalculatorTask (tasks/calculator_tiny.py): its problems, its bracket call syntax, the environment's
 replies and rewards, and the `:off` control."""
 
 import pytest
 
-from common.tasks import TaskError, make_task
-from common.tasks.calculator_tiny import TinyCalculatorEnvironment, TinyCalculatorTask
-from common.tools import ToolCall, calculator
+from tasks import TaskError, make_task
+from tasks.calculator_tiny import TinyCalculatorEnvironment, TinyCalculatorTask
+from tasks.tools import ToolCall, calculator
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from conftest import ROOT
 
 from common.checkpoint import resolve_checkpoint, save_checkpoint
 from common.determinism import parameter_hash
-from common.rollout import HFEngine, sample_seed
-from common.tasks import AdditionTask, Example, GSM8KTask, gsm8k_flexible, gsm8k_strict, make_task
+from common.llm.engines import HFEngine, sample_seed
+from tasks import AdditionTask, Example, GSM8KTask, gsm8k_flexible, gsm8k_strict, make_task
 
 TINY = str(ROOT / "assets" / "tiny-adder")
 
@@ -124,7 +124,7 @@ def test_addition_held_out_excludes_commutative_twins():
     """No test prompt `a+b=` has its twin `b+a=` (nor itself) in the training stream of the default task."""
     import random
 
-    from common.tasks import addition_examples
+    from tasks import addition_examples
 
     task = AdditionTask()
     train = {example.prompt for example in task.train}

@@ -161,7 +161,7 @@ def test_same_seed_identical_on_two_nodes(dpo_reference_run: Path, tmp_path: Pat
 
 def test_a_finished_run_has_nothing_left_to_resume(dpo_reference_run: Path, tmp_path: Path):
     """(A resume equal to the uninterrupted run: GRPO's in tests/test_preemption.py, PPO's in tests/test_ppo_llm.py;
-    DPO's loop resumes through the same common/llm_run.start_training and carries no state of its own between
+    DPO's loop resumes through the same common/llm/lifecycle.start_training and carries no state of its own between
     steps.)"""
     copy = tmp_path / dpo_reference_run.name
     shutil.copytree(dpo_reference_run, copy)

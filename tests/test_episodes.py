@@ -1,5 +1,5 @@
-"""The turn loop (common/episodes.py), the masks every loss reads, GAE over the model's tokens, and the tools
-(common/tools.py), in one process on the embedded model and its `transformers` engine."""
+"""The turn loop (common/llm/episodes.py), the masks every loss reads, GAE over the model's tokens, and the tools
+(tasks/tools.py), in one process on the embedded model and its `transformers` engine."""
 
 import time
 from collections import Counter
@@ -11,14 +11,15 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from common.batching import make_batch, token_logprobs
-from common.episodes import reply_encoder, run_episodes, turn_seed
-from common.llm_run import Rollout, balance_tokens
-from common.rollout import HFEngine, Sample
-from common.tasks import AdditionTask, Environment, Example, TaskError
-from common.tools import ToolEnvironment, calculator, describe_tools
+from common.llm.balancing import balance_tokens
+from common.llm.batching import make_batch, token_logprobs
+from common.llm.engines import HFEngine
+from common.llm.episodes import probe_environment, reply_encoder, run_episodes, start_episode, turn_seed
+from common.llm.state import Rollout, Sample
 from grpo_llm import aggregate_loss, grpo_token_loss
 from ppo_llm import gae, token_rewards
+from tasks import AdditionTask, Environment, Example, TaskError
+from tasks.tools import ToolEnvironment, calculator, describe_tools, environment_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "assets" / "tiny-adder"
@@ -304,7 +305,7 @@ def test_a_tool_that_fails_gives_a_reply_and_a_count():
 def test_model_written_code_runs_in_the_sandbox_and_the_episode_goes_on():
     """The python tool through the environment, as a model would call it: an infinite loop ends at the sandbox's
     CPU limit with a reply that says so (not the environment's own timer), and the next call still runs."""
-    from common.sandbox import SANDBOX, python
+    from tasks.sandbox import SANDBOX, python
 
     if SANDBOX.isolation_problem():
         pytest.skip(SANDBOX.isolation_problem())
@@ -328,7 +329,7 @@ def test_model_written_code_runs_in_the_sandbox_and_the_episode_goes_on():
 def test_a_budget_below_one_episode_is_refused_before_any_engine(tokenizer):
     from second_look_task import SecondLookTask
 
-    from common.tasks import check_task_fits
+    from tasks import check_task_fits
 
     task = SecondLookTask()
     with pytest.raises(TaskError, match="needs completions of at least 11 tokens"):
@@ -336,16 +337,110 @@ def test_a_budget_below_one_episode_is_refused_before_any_engine(tokenizer):
                         [tokenizer(task.train[0].prompt).input_ids], 8)
 
 
-def test_the_readme_tool_task_loads_and_calls_its_tools(tmp_path: Path):
-    """README's "Multi-turn episodes and tools" block, saved as a user would: its tools run through the environment."""
-    from common.tasks import make_task
+def docs_block(heading: str, name: str, tmp_path: Path) -> str:
+    """The first Python block under `heading` in docs/tasks.md, saved as a user would save it: `--task` form."""
+    section = (ROOT / "docs" / "tasks.md").read_text().split(heading, 1)[1]
+    (tmp_path / f"{name}.py").write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    return str(tmp_path / f"{name}.py")
 
-    section = (ROOT / "README.md").read_text().split("## Multi-turn episodes and tools", 1)[1]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    (tmp_path / "calc_sums.py").write_text(code)
-    task = make_task(f"{tmp_path / 'calc_sums.py'}:CalcSums")
-    environment = task.environment()
-    environment.events = Counter()
-    environment.reset(task.train[0])
+
+def test_the_docs_tool_task_loads_and_calls_its_tools(tmp_path: Path):
+    """docs/tasks.md's "Tools" block: a task that declares tools gets a ToolEnvironment, whose tools run."""
+    from tasks import make_task
+
+    task = make_task(f"{docs_block('## Tools', 'calc_sums', tmp_path)}:CalcSums")
+    assert task.environment() is None  # the task's own; the turn loop gives it the tool environment
+    environment = environment_of(task)
+    start_episode(environment, task.train[0], max_turns=4)
     assert environment.step(call("calculator", '{"expression": "6*7"}'))[0] == "42"
     assert environment.step("no call")[1:] == (0.0, True) and environment.events["tool_calls"] == 1
+
+
+def test_the_docs_multi_turn_task_plays_its_episodes(tmp_path: Path, tokenizer):
+    """docs/tasks.md's complete multi-turn task: its probe passes with the embedded tokenizer; a right first answer
+    ends the episode with 1, a wrong one gets the reply `+0=` and a second try worth 0.5, and with --max-turns 1 there
+    is no second try. Episodes run through the turn loop on the embedded model and count their second tries."""
+    from tasks import make_task
+
+    task = make_task(f"{docs_block('## Multi-turn: the environment', 'two_tries', tmp_path)}:TwoTries")
+    example = task.train[0]
+    assert probe_environment(task, tokenizer, example, max_turns=4) is None
+
+    def play(texts: list[str], max_turns: int = 4) -> tuple[list[tuple], bool | None, int]:
+        environment = environment_of(task)
+        start_episode(environment, example, max_turns)
+        results = []
+        for turn, text in enumerate(texts):
+            environment.turn = turn
+            results.append(environment.step(text))
+        return results, environment.correct, environment.events["second_tries"]
+
+    assert play([example.answer]) == ([(None, 1.0, True)], True, 0)
+    assert play(["0", example.answer]) == ([("+0=", 0.0, False), (None, 0.5, True)], True, 1)
+    assert play(["0", "1"]) == ([("+0=", 0.0, False), (None, 0.0, True)], False, 1)
+    assert play(["0"], max_turns=1) == ([(None, 0.0, True)], False, 0)
+    engine = HFEngine(str(TINY), torch.float32, torch.device("cpu"))
+    prompts = tokenizer([e.prompt for e in task.train[:4]]).input_ids
+    episodes = run_episodes(engine, make_run(task, tokenizer), prompts, task.train[:4], [1, 2, 3, 4], 13, 1.0)
+    for episode in episodes:
+        second = episode.episode.events["second_tries"]
+        assert episode.episode.turns == 1 + second and episode.episode.env_tokens == 3 * second
+
+
+class RecordingEnvironment(Environment):
+    """Remembers the turn limit and each turn index the loop gave it; replies `+1=` twice, then ends."""
+    seen: list[tuple[int, int]] = []
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        RecordingEnvironment.seen.append((self.max_turns, self.turn))
+        return ("+1=", 0.0, False) if self.turn < 2 else (None, 1.0, True)
+
+
+class RecordingTask(AdditionTask):
+    def __init__(self) -> None:
+        super().__init__(num_train=8, num_test=4)
+
+    def environment(self) -> Environment:
+        return RecordingEnvironment()
+
+
+def test_the_environment_is_told_the_turn_limit_and_the_turn(engine, tokenizer):
+    task = RecordingTask()
+    RecordingEnvironment.seen = []
+    run_episodes(engine, make_run(task, tokenizer, max_turns=3), *prompts_of(tokenizer, task, 1), [7], 40, 1.0)
+    assert RecordingEnvironment.seen == [(3, 0), (3, 1), (3, 2)]
+
+
+class WrongTypeEnvironment(Environment):
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        return "1", 1, "yes"  # done must be a bool
+
+
+class LetterReplyEnvironment(Environment):
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        return "higher", 0.0, False  # the embedded tokenizer knows digits, + and = only
+
+
+def test_the_probe_finds_a_wrong_step_and_an_unencodable_reply_before_any_model(tokenizer):
+    class Probed(AdditionTask):
+        environment_class = WrongTypeEnvironment
+
+        def __init__(self) -> None:
+            super().__init__(num_train=8, num_test=4)
+
+        def environment(self) -> Environment:
+            return self.environment_class()
+
+    task = Probed()
+    problem = probe_environment(task, tokenizer, task.train[0], max_turns=4)
+    assert "failed at turn 1" in problem and "step's done must be a bool, got 'yes'" in problem
+    assert "probe_text = None skips it" in problem
+    task.environment_class = LetterReplyEnvironment
+    assert probe_environment(task, tokenizer, task.train[0], 4) == (
+        "the reply 'higher' encodes to '' with this tokenizer: its characters are unknown to it")
+    LetterReplyEnvironment.probe_text = None  # an environment whose step must not run twice: no probe
+    try:
+        assert probe_environment(task, tokenizer, task.train[0], 4) is None
+    finally:
+        del LetterReplyEnvironment.probe_text
+    assert probe_environment(AdditionTask(num_train=8, num_test=4), tokenizer, task.train[0], 4) is None  # 1 turn

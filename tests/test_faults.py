@@ -15,7 +15,7 @@ import psutil
 import pytest
 from conftest import ROOT, SMALL_GRPO, only_run_dir, run_script, script_env
 
-from common.checkpoint import checkpoint_damage, resume_instead
+from common.llm.checkpoint import checkpoint_damage, resume_instead
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -1,6 +1,6 @@
 """GPU mechanisms reproduced on CPU, where CI can run them.
 
-Sharded loading (common/models.py): only rank 0 reads the checkpoint, the others build the model on the meta device
+Sharded loading (common/llm/models.py): only rank 0 reads the checkpoint, the others build the model on the meta device
 and receive their shards by broadcast; checked at world size 2 against a plain `from_pretrained`, bit for bit.
 
 vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, which --deterministic sets on GPUs) registers its own kernels for
@@ -48,7 +48,7 @@ def _overriding_kernels(calls: dict[str, int]) -> torch.library.Library:
 
 def _grpo_update_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The gradients of one GRPO loss (grpo_llm.py's, shared-prompt layout) on a fixed rollout."""
-    from common.batching import make_batch, token_logprobs
+    from common.llm.batching import make_batch, token_logprobs
     from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
 
     prompts, completions = [[3, 4, 12]] * 2 + [[5, 12, 6, 7, 13]] * 2, [[9, 10, 1], [11], [9, 1], [10, 11, 12]]
@@ -71,7 +71,7 @@ def child() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen2 import modeling_qwen2
 
-    from common.determinism import python_kernels, reroute_composite_autograd
+    from common.llm.kernels import python_kernels, reroute_composite_autograd
 
     modeling_qwen2.Qwen2RMSNorm.forward = _rms_norm_64  # float64 throughout: the two sides differ by rounding only
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float64)
@@ -101,11 +101,11 @@ def sharded_loading_child(directory: str) -> None:
     from test_llm import TINY
     from transformers import AutoModelForCausalLM
 
-    from common.batching import make_batch, token_logprobs
     from common.determinism import parameter_hash
     from common.distributed import init_distributed
-    from common.llm_run import LLMArgs
-    from common.models import export_pretrained, load_model
+    from common.llm.batching import make_batch, token_logprobs
+    from common.llm.models import export_pretrained, load_model
+    from common.llm.state import LLMArgs
     from ppo_llm import ValueModel
 
     rank = init_distributed()[0]

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from conftest import ROOT, check, run_script, script_env
 
-from common import models
-from common.batching import _ChosenTokenLogprob
-from common.determinism import engine_environment, engine_kernels_without_engine
+from common.determinism import engine_environment
+from common.llm import models
+from common.llm.batching import _ChosenTokenLogprob
+from common.llm.kernels import engine_kernels_without_engine
 
 
 def _head_gradients(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, grad_out: torch.Tensor,
@@ -111,9 +112,8 @@ def test_hsdp_all_reduces_across_nodes_once_per_optimizer_step(fake_world, monke
 def test_token_balancing_messages_only_the_pairs_that_move_rows(fake_world, monkeypatch):
     """World 4, rank 0 holding the long completions: the plan moves rows between some pairs of ranks only, and each
     rank posts exactly those sends and receives (an all-to-all would post one of each to every peer, empty or not)."""
-    from common.batching import balanced_partition
-    from common.llm_run import Rollout, balance_tokens
-    from common.rollout import Sample
+    from common.llm.balancing import balance_tokens, balanced_partition
+    from common.llm.state import Rollout, Sample
 
     rank, world_size = fake_world
     rows = 4
@@ -228,8 +228,8 @@ def test_a_resume_state_rank_0_cannot_read_stops_every_rank_with_a_message(grpo_
     leave the other ranks waiting for its broadcast."""
     import shutil
 
-    from common.checkpoint import read_training_state
-    from common.llm_run import MAY_CHANGE_ON_RESUME, LLMArgs
+    from common.llm.checkpoint import read_training_state
+    from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs
 
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(grpo_reference_run / "checkpoints", checkpoints)

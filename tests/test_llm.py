@@ -1,5 +1,5 @@
-"""The LLM layer the three LLM scripts share (common/batching.py, models.py, scoring.py, llm_run.py), checked piece by
-piece against plain references.
+"""The LLM layer the three LLM scripts share (common/llm/: batching, models, scoring, lifecycle), checked piece by piece
+against plain references.
 
 Checks that two computations are the same function (lean vs naive logprobs, packed vs padded rows) run in float64,
 RMSNorm included (transformers computes it in float32 whatever the input): there the two differ by rounding alone,
@@ -15,23 +15,19 @@ import pytest
 import torch
 from conftest import ROOT
 
-import common.batching as batching
-import common.models as models
-from common.batching import (
-    PACKED_ATTENTION,
-    make_batch,
-    mismatch_stats,
-    packed_attention_mask,
-    pad_completions,
-    token_logprobs,
-)
+import common.llm.batching as batching
+import common.llm.models as models
 from common.checkpoint import check_resume_args
 from common.determinism import parameter_hash
 from common.distributed import Totals, reduce_stats
-from common.llm_run import LLMArgs, eos_token_ids, prompts_for_rank
-from common.models import export_pretrained, load_model, stream_weights
-from common.scoring import RewardModel, check_scalar_head, decode_completion, task_scores
-from common.tasks import Example
+from common.llm.attention import PACKED_ATTENTION, packed_attention_mask, register_packed_attention
+from common.llm.batching import make_batch, mismatch_stats, pad_completions, token_logprobs
+from common.llm.lifecycle import eos_token_ids
+from common.llm.models import export_pretrained, load_model, stream_weights
+from common.llm.rollouts import prompts_for_rank
+from common.llm.scoring import RewardModel, check_scalar_head, decode_completion, task_scores
+from common.llm.state import LLMArgs
+from tasks import Example
 
 TINY = ROOT / "assets" / "tiny-adder"
 
@@ -145,7 +141,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_padded_rows(tiny_model_64, a
     """Packed rows through SDPA with the dense mask (the CPU path) and through FlexAttention with the block mask (the
     GPU path, eager here) against padded rows through SDPA. FlexAttention has no backward on CPU, so its gradients
     (torch's kernel) are checked on GPUs only; the values here."""
-    batching.register_packed_attention()
+    register_packed_attention()
     model = tiny_model_64.eval()
     padded = make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"))
     packed = make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, 0, torch.device("cpu"), share_prompts=True)
@@ -208,7 +204,7 @@ def test_a_forward_after_the_last_backward_does_not_outlive_the_update(world_of_
     (1.3 nats off here)."""
     from transformers import AutoModelForCausalLM
 
-    from common.models import make_optimizer, optimizer_step
+    from common.llm.models import make_optimizer, optimizer_step
 
     args = LLMArgs()
     model = load_model(str(TINY), args, torch.device("cpu"))

@@ -4,6 +4,7 @@ and an environment that breaks on one rank stopping every rank. The task: tests/
 around a 3-token reply)."""
 
 import json
+import re
 from pathlib import Path
 
 from conftest import check, only_run_dir, read_metrics, run_script
@@ -47,8 +48,31 @@ def test_ppo_and_dpo_train_on_episodes(tmp_path: Path):
 
 
 def test_an_environment_broken_on_one_rank_stops_every_rank(tmp_path: Path):
+    """Mid-run (the environment skips the start-up probe): both ranks stop with the message, and the engines shut down
+    before the process group goes, so no rank prints vLLM's shutdown traceback after it."""
     args = [*MULTI_TURN, "--task", "tests/second_look_task.py:BrokenOnRankOneTask", "--run-root", str(tmp_path)]
     result = run_script("grpo_llm.py", args, nproc=2, timeout=300)
     assert result.returncode != 0
     assert "the task's environment failed at turn 1" in result.stderr and "ZeroDivisionError" in result.stderr
     assert "another rank" in result.stderr  # rank 0 stopped too, by the same decision
+    assert re.search(r"\[rank\d\]: Traceback", result.stderr) is None, result.stderr[-3000:]
+
+
+def test_an_environment_of_the_wrong_types_stops_the_run_before_any_model_loads(tmp_path: Path):
+    """A user's environment whose step returns an int for `done`: the probe finds it on every rank before any engine
+    or model starts, and the message names what is wrong."""
+    task_file = tmp_path / "wrong_done.py"
+    task_file.write_text("from tasks import AdditionTask, Environment\n\n\n"
+                         "class WrongDone(Environment):\n"
+                         "    def step(self, text):\n"
+                         "        return '+0=', 0.0, 1\n\n\n"
+                         "class WrongDoneTask(AdditionTask):\n"
+                         "    min_completion_length = 11\n\n"
+                         "    def environment(self):\n"
+                         "        return WrongDone()\n")
+    result = run_script("grpo_llm.py", [*MULTI_TURN, "--task", f"{task_file}:WrongDoneTask",
+                                        "--run-root", str(tmp_path / "runs")], nproc=2, timeout=300)
+    assert result.returncode != 0
+    assert "error: the task's environment failed at turn 1 of prompt" in result.stderr
+    assert "step's done must be a bool, got 1" in result.stderr
+    assert "Initializing" not in result.stdout + result.stderr and not list((tmp_path / "runs").iterdir())

@@ -178,7 +178,7 @@ def test_value_loss_by_hand():
 def test_value_model_has_one_output_and_no_dropout():
     """The value model trains in train mode: a dropout left on its head (transformers' default for token classifiers
     is 0.1) would make V_old and V differ on the same tokens. Two forwards of one batch must agree exactly."""
-    from common.batching import make_batch
+    from common.llm.batching import make_batch
 
     torch.manual_seed(0)
     value_model = ValueModel.from_pretrained(str(TINY), dtype=torch.float32).train()

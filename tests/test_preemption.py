@@ -30,7 +30,8 @@ from conftest import (
 )
 
 from common import tracking
-from common.checkpoint import CheckpointWriteFailed, checkpoint_damage, save_checkpoint
+from common.checkpoint import CheckpointWriteFailed, save_checkpoint
+from common.llm.checkpoint import checkpoint_damage
 from common.preemption import stop_signals_problem
 from common.tracking import RunTracker, resume_command
 
@@ -205,7 +206,7 @@ CHECKPOINT_FAILED = r"checkpoint step_\d+ could not be written \(ranks? [\d, ]+:
 def test_a_checkpoint_on_a_full_disk_stops_every_rank_with_one_message(script: str, args: list[str], tmp_path: Path):
     """On a 64 MiB tmpfs of its own, filled to 1 MiB once the first checkpoint is complete: the next one cannot be
     written. (GRPO in the split layout, where the rollout rank must hear it too; DPO and PPO save through the same
-    common/llm_run.end_step.)"""
+    common/llm/lifecycle.end_step.)"""
     mount = tmp_path / "fs"
     mount.mkdir()
     result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "tests/small_disk.py",

@@ -1,4 +1,4 @@
-"""common/sandbox.py against the code a model writes by accident or on purpose: each hostile program must end within
+"""tasks/sandbox.py against the code a model writes by accident or on purpose: each hostile program must end within
 its limit, the reply must say what happened, nothing may outlive the call, and the next call must work. Small limits
 (CPU 1 s, wall clock 2-3 s) keep the file fast; the tests that need namespaces skip where they are unavailable, and
 a negative control shows each check would catch a leak."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.sandbox import REPO, STATUSES, Sandbox, SandboxResult, python
+from tasks.sandbox import REPO, STATUSES, Sandbox, SandboxResult, python
 
 PROBLEM = Sandbox().isolation_problem()
 needs_namespaces = pytest.mark.skipif(PROBLEM is not None, reason=f"no namespaces here: {PROBLEM}")

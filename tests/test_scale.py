@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, check, only_run_dir, read_metrics, run_agents, script_env
 
-from common.batching import balanced_partition, contiguous_pieces
+from common.llm.balancing import balanced_partition, contiguous_pieces
 
 # The fake engine (no vLLM): lognormal lengths, sleep tau0 x the longest; small enough for 4 ranks on 2 cores
 FAKE = ["--rollout-engine", "fake", "--fake-tau0-s", "0.005", "--fake-median-length", "12",

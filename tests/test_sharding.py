@@ -67,8 +67,9 @@ def test_stream_weights_costs_one_all_gather_per_bucket(summary):
 
 def test_check_llm_args_wants_a_shard_size_that_divides_the_world(capsys, monkeypatch):
     import common.distributed
-    from common.llm_run import LLMArgs, check_llm_args
-    from common.models import fsdp_shard_size
+    from common.llm.lifecycle import check_llm_args
+    from common.llm.models import fsdp_shard_size
+    from common.llm.state import LLMArgs
 
     monkeypatch.setattr(common.distributed, "LOCAL_WORLD_SIZE_AT_LAUNCH", 2)  # two nodes of two ranks: HSDP
     assert fsdp_shard_size(0, 4) == 2 and fsdp_shard_size(4, 4) == 4

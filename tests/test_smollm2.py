@@ -89,7 +89,7 @@ def test_smollm2_grpo_torchrun_vllm(smollm2: Path, tmp_path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from common.determinism import parameter_hash
-    from common.tasks import make_task
+    from tasks import make_task
 
     task_dir = write_gsm8k_copy(tmp_path / "gsm8k_copy")
     # The script formats prompts with the task's `format_prompt`: with this tokenizer, SmolLM2's chat template.

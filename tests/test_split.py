@@ -1,4 +1,4 @@
-"""The split layout (--rollout-ranks, --max-staleness; common/layout.py): bad layouts refused on every rank, the
+"""The split layout (--rollout-ranks, --max-staleness; common/llm/layout.py): bad layouts refused on every rank, the
 1 + 1 split equal to the single-process colocated run bit for bit (the sample and weight transfers are exact), and
 one-step-off runs that give the same bits with a slow rank and after a resume."""
 
@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, check, only_run_dir, preempt_at_random, read_metrics, resume_line, run_script, script_env
 
 import grpo_llm
-from common import layout
+from common.llm import layout
 
 SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32",
          "--eval-every", "2"]

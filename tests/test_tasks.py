@@ -1,4 +1,4 @@
-"""Tasks as a plug-in (common/tasks/): names, arguments and users' classes; local dataset files and their errors; the
+"""Tasks as a plug-in (tasks/): names, arguments and users' classes; local dataset files and their errors; the
 settings a task needs; Countdown's scorer on hand-made answers; pass@k."""
 
 import json
@@ -10,17 +10,18 @@ import pytest
 from conftest import ROOT, check, only_run_dir, read_metrics, run_script
 from transformers import AutoTokenizer
 
-from common.scoring import pass_at_k
-from common.tasks import TASKS, CountdownTask, Example, TaskError, TinyCountdownTask, check_task_fits, make_task
-from common.tasks.base import load_split
-from common.tasks.countdown import parse_expression, score_expression, tinyzero_draws
+from common.llm.evaluation import pass_at_k
+from tasks import TASKS, CountdownTask, Example, TaskError, TinyCountdownTask, check_task_fits, make_task
+from tasks.arithmetic import parse_expression
+from tasks.countdown import score_expression, tinyzero_draws
+from tasks.data import load_split
 
 TINY_ADDER = ROOT / "assets" / "tiny-adder"
 
 
 def readme_task_file(directory: Path) -> Path:
-    """The complete user task of README.md's "New tasks" section, written to a file as a user would save it."""
-    section = (ROOT / "README.md").read_text().split("## New tasks", 1)[1]
+    """The complete user task of README.md's "Add a task" section, written to a file as a user would save it."""
+    section = (ROOT / "README.md").read_text().split("## Add a task", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     path = directory / "small_sums.py"
     path.write_text(code)
@@ -60,11 +61,11 @@ def test_a_users_task_that_cannot_load_says_why(tmp_path: Path):
     (tmp_path / "broken.py").write_text("import no_such_module_anywhere\n")
     with pytest.raises(TaskError, match="does not import.*no_such_module_anywhere"):
         make_task(f"{tmp_path}/broken.py:Task")
-    (tmp_path / "other.py").write_text("from common.tasks import Task\nclass Mine(Task):\n    pass\nclass Plain:\n"
+    (tmp_path / "other.py").write_text("from tasks import Task\nclass Mine(Task):\n    pass\nclass Plain:\n"
                                        "    pass\n")
     with pytest.raises(TaskError, match=r"has no class 'Yours' \(its Task classes: \['Mine', 'Task'\]\)"):
         make_task(f"{tmp_path}/other.py:Yours")
-    with pytest.raises(TaskError, match="not a subclass of common.tasks.Task"):
+    with pytest.raises(TaskError, match="not a subclass of tasks.Task"):
         make_task(f"{tmp_path}/other.py:Plain")
     with pytest.raises(TaskError, match="task module 'no_such_package.tasks' does not import"):
         make_task("no_such_package.tasks:Task")
@@ -246,7 +247,7 @@ def test_a_correct_that_raises_stops_every_rank(tmp_path: Path):
 def test_eval_metrics_must_keep_their_names(capsys: pytest.CaptureFixture):
     """The held-out metrics of a task are reduced by name over ranks: a completion that gives other names, or a
     reserved name, stops every rank with a message instead of a KeyError on some ranks and a wait on the others."""
-    from common.scoring import task_metric_sums
+    from common.llm.evaluation import task_metric_sums
 
     class Tags(TinyCountdownTask):
         def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
@@ -269,7 +270,7 @@ def test_eval_metrics_must_keep_their_names(capsys: pytest.CaptureFixture):
 
 
 def test_answers_in_tags_are_read_in_linear_time():
-    from common.tasks.base import last_tagged
+    from tasks.base import last_tagged
 
     assert last_tagged("<answer> 1 </answer> then <answer>2</answer>") == "2"
     assert last_tagged("<answer>1<answer>2</answer>") == "2" and last_tagged("<answer>1") is None

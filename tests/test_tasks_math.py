@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common.tasks.base import TaskError
-from common.tasks.math_answers import (
+from tasks.base import TaskError
+from tasks.math_answers import (
     AIME_HUB_ID,
     BOXED_INSTRUCTION,
     DAPO_HUB_ID,
@@ -165,7 +165,7 @@ def test_math_verify_errors_mean_not_correct(monkeypatch, broken, error):
 
 
 def test_importing_the_module_does_not_import_math_verify():
-    code = ("import sys, common.tasks.math_answers; "
+    code = ("import sys, tasks.math_answers; "
             "print(sorted(m for m in ('math_verify', 'sympy', 'latex2sympy2_extended') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from common.tasks import TaskError, make_task
-from common.tasks.reasoning_gym_tasks import TEST_SEED, TEST_SIZE, TRAIN_SEED, TRAIN_SIZE, ReasoningGymTask
+from tasks import TaskError, make_task
+from tasks.reasoning_gym_tasks import TEST_SEED, TEST_SIZE, TRAIN_SEED, TRAIN_SIZE, ReasoningGymTask
 
 SIZES = {"basic_arithmetic": (200, 50), "countdown": (30, 10)}  # countdown makes about 50 problems a second
 
@@ -138,5 +138,5 @@ def test_unknown_and_refused_datasets(monkeypatch):
 def test_make_task_and_lazy_import():
     task = make_task("reasoning_gym:leg_counting")
     assert len(task.test) == TEST_SIZE and 0 < len(task.train) <= TRAIN_SIZE
-    code = "import sys, common.tasks; assert 'reasoning_gym' not in sys.modules"
+    code = "import sys, tasks; assert 'reasoning_gym' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from assets.build_tiny_model import Args, episode_metrics, greedy_accuracy, sampled_tool_call_probability
-from common.tasks import TASKS
+from tasks import TASKS
 
 ROOT = Path(__file__).resolve().parent.parent
 # each committed model and the build arguments that made it (python -m assets.build_tiny_model [those arguments])

@@ -118,6 +118,19 @@ def test_manifest_and_final_differences(tmp_path: Path, capsys):
     assert "started" not in out and "run_root" not in out  # bookkeeping
 
 
+def test_runs_that_differ_only_in_their_manifests_trained_identically(tmp_path: Path, capsys):
+    """Another torch version and launch, the same metrics, final weights and checkpoint: the training is identical
+    (exit 0), and the manifest lines say what else differs."""
+    other = {**MANIFEST, "versions": {"torch": "2.11.0", "vllm": "0.32.0"}, "world_size": 2}
+    run_a = write_run(tmp_path / "a", checkpoints={2: weights()})
+    run_b = write_run(tmp_path / "b", manifest=other, checkpoints={2: weights()})
+    status, out, _ = diff(run_a, run_b, capsys=capsys)
+    assert status == 0, out
+    assert "metrics.jsonl: same\nfinal.json: same\nmanifest.json: differs\n" in out
+    assert '  versions.torch: "2.13.0+cpu" vs "2.11.0"\n' in out and "checkpoint step_00000002: same" in out
+    assert out.rstrip().endswith("only the manifests differ, as listed") and "the runs differ" not in out
+
+
 def test_the_first_differing_tensor_its_largest_difference_and_count(tmp_path: Path, capsys):
     """Sorted names: model.embed differs in 3 elements (the largest by 0.5; -0.0 against 0.0 is a difference of bits
     and counts, as in a parameter hash), model.head (bfloat16) too; model.norm is equal."""

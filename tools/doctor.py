@@ -42,8 +42,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.determinism import effective_determinism_env, python_kernels  # noqa: E402
 from common.distributed import nccl_env  # noqa: E402
+from common.llm.kernels import effective_determinism_env, python_kernels  # noqa: E402
 from common.tracking import _lock, _versions  # noqa: E402
 from tools.run_diff import first_metric_difference, read_records  # noqa: E402
 
@@ -260,10 +260,10 @@ def memory_probe(result_file: Path) -> None:
     import memory_estimate as estimator
     from transformers import AutoConfig
 
-    from common.batching import make_batch
     from common.determinism import seed_everything
-    from common.llm_run import LLMArgs
-    from common.models import make_optimizer, shard_model
+    from common.llm.batching import make_batch
+    from common.llm.models import make_optimizer, shard_model
+    from common.llm.state import LLMArgs
 
     seed_everything(0)  # the scripts' kernels and cuBLAS workspace, set before CUDA starts
     config = AutoConfig.from_pretrained(estimator.VALIDATION_MODELS["embedded"])

@@ -11,7 +11,8 @@ difference and how many elements differ. Tensors are read one at a time from the
 (a 7B model never sits in memory whole); DQN's checkpoints hold their networks in trainer_state.pt. Wall-clock files
 (perf.jsonl, timings.jsonl) and wall-clock metrics are ignored: they differ between any two runs.
 
-Exit status: 0 identical, 1 the runs differ, 2 bad input (a path that is not a run directory).
+Exit status: 0 the training is identical (metrics, final weights and checkpoints; manifests may differ, e.g. in the
+software or the launch, and are then listed), 1 the runs differ, 2 bad input (a path that is not a run directory).
 """
 
 import argparse
@@ -302,15 +303,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{section}: {'differs' if lines else 'same'}")
         for line in lines:
             print(f"  {line}")
-    differ = any(lines for _, lines in sections)
+    trained_alike = not any(lines for section, lines in sections if section != "manifest.json")
+    manifests_differ = bool(dict(sections)["manifest.json"])
     note = resume_note(run_a, run_b)
     if note:
         print(note)
-    if differ and not dict(sections)["manifest.json"]:
+    if not trained_alike and not manifests_differ:
         print("note: the manifests record no difference, so the cause is something they do not record: environment "
               "variables such as ATEN_CPU_CAPABILITY or OMP_NUM_THREADS, the CPU model, library builds")
-    print("the runs differ" if differ else "identical (wall-clock files and metrics ignored)")
-    return int(differ)
+    if not trained_alike:
+        print("the runs differ")
+    elif manifests_differ:
+        print("training identical: the same metrics, final weights and checkpoints (wall-clock files and metrics "
+              "ignored); only the manifests differ, as listed")
+    else:
+        print("identical (wall-clock files and metrics ignored)")
+    return int(not trained_alike)
 
 
 if __name__ == "__main__":

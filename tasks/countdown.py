@@ -1,78 +1,14 @@
 """Countdown: reach a target from given numbers with + - * / and parentheses, each number at most once. The task of
 TinyZero (Pan et al. 2025, github.com/Jiayi-Pan/TinyZero) and nano-aha-moment (Kazemnejad et al. 2025). The model's
-expression is parsed by a small grammar and evaluated in exact rational arithmetic (`fractions.Fraction`): model text
-is never given to `eval`."""
-
-from __future__ import annotations
+expression is parsed and evaluated exactly by tasks/arithmetic.py: model text is never given to `eval`."""
 
 import random
-import re
 from collections import Counter
 from collections.abc import Iterator
-from fractions import Fraction
 
-from common.tasks.base import Example, Row, Task, TaskError, last_tagged, load_split
-
-MAX_EXPRESSION_CHARS = 256  # longer answers are malformed: the given numbers never need more
-TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
-
-
-def parse_expression(text: str) -> tuple[Fraction, list[int]] | None:
-    """The value of an arithmetic expression of non-negative integers, + - * / and parentheses (the usual
-    precedence, left to right; no unary signs, no decimals), and the integers it uses. None when it is not such an
-    expression or divides by zero."""
-    if len(text) > MAX_EXPRESSION_CHARS:
-        return None
-    tokens, position, text = [], 0, text.rstrip()
-    while position < len(text):
-        match = TOKEN.match(text, position)
-        if not match:
-            return None
-        tokens.append(int(match.group(1)) if match.group(1) else match.group(2))
-        position = match.end()
-    numbers: list[int] = []
-    index = 0
-
-    def peek() -> object:
-        return tokens[index] if index < len(tokens) else None
-
-    def take() -> object:
-        nonlocal index
-        index += 1
-        return tokens[index - 1]
-
-    def atom() -> Fraction:
-        token = take() if index < len(tokens) else None
-        if isinstance(token, int):
-            numbers.append(token)
-            return Fraction(token)
-        if token == "(":
-            value = sum_of_terms()
-            if peek() != ")":
-                raise ValueError("unclosed parenthesis")
-            take()
-            return value
-        raise ValueError(f"unexpected {token!r}")
-
-    def term() -> Fraction:
-        value = atom()
-        while peek() in ("*", "/"):
-            operator, right = take(), atom()
-            value = value * right if operator == "*" else value / right  # ZeroDivisionError: malformed
-        return value
-
-    def sum_of_terms() -> Fraction:
-        value = term()
-        while peek() in ("+", "-"):
-            operator, right = take(), term()
-            value = value + right if operator == "+" else value - right
-        return value
-
-    try:
-        value = sum_of_terms()
-    except (ValueError, ZeroDivisionError):
-        return None
-    return (value, numbers) if index == len(tokens) else None
+from tasks.arithmetic import parse_expression
+from tasks.base import Example, Task, TaskError, last_tagged
+from tasks.data import Row, load_split
 
 
 def score_expression(expression: str | None, numbers: list[int], target: int, require_all: bool = False

@@ -9,7 +9,7 @@ An episode, in characters (one token each), the environment's tokens in brackets
     37*58:[37*58]<eos>{=2146;}2146<eos>     a call, the calculator's reply (loss mask 0), the answer
     37*58:2146<eos>                          a direct answer, without the tool
 
-A model turn of the form `[expression]` calls the calculator (common/tools.py) on the expression; a turn that starts
+A model turn of the form `[expression]` calls the calculator (tasks/tools.py) on the expression; a turn that starts
 with `[` but is not of that form is a malformed call; any other turn is the answer, which ends the episode: reward 1
 when its text is exactly the product, else 0. Every call that gives no number (malformed, not an expression, or the
 tool off) is answered `=?;`: the model's alphabet has no letters to read an error message with."""
@@ -19,8 +19,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from common.tasks.base import Example, Task, TaskError
-from common.tools import ToolCall, ToolEnvironment, calculator
+from tasks.base import Example, Task, TaskError
+from tasks.tools import ToolCall, ToolEnvironment, calculator
 
 NO_RESULT = "?"  # the result of a call that gives no number: a reply the character-level model can read
 

@@ -1,6 +1,6 @@
 """Run model-written Python in a separate, limited, isolated process: the `python` tool a task may declare.
 
-Each call starts `python -I -S common/sandbox.py --child` (the base interpreter, standard library only) with a
+Each call starts `python -I -S tasks/sandbox.py --child` (the base interpreter, standard library only) with a
 minimal environment, in a new session, from a fresh temporary directory; that child, before any user code:
 - sets rlimits: CPU seconds, address space, processes (threads included), open files, file size, no core dumps;
 - isolates itself with unshare(2) (through ctypes: Python 3.11 has no os.unshare): new user, mount, network, PID,
@@ -276,7 +276,7 @@ def python(code: str) -> str:
     return SANDBOX.run(code).text
 
 
-python.sandbox = SANDBOX  # common/tools.py's check_tools finds and checks it before training
+python.sandbox = SANDBOX  # tasks/tools.py's check_tools finds and checks it before training
 
 
 # ---- the child: everything below runs in the sandboxed process, before and around the user's code ----

@@ -2,7 +2,7 @@
 
 import random
 
-from common.tasks.base import Example, Task
+from tasks.base import Example, Task
 
 
 class AdditionTask(Task):

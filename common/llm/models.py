@@ -2,26 +2,26 @@
 the rollout engine every step, into safetensors files at a checkpoint). A 7B policy is 28 GB in float32 and its Adam
 state 56 GB more, so no rank holds the whole model: weights leave the shards SYNC_BUCKET_BYTES at a time."""
 
-from __future__ import annotations
-
 import functools
 import json
 import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from common.batching import PACKED_ATTENTION, PADDED_ATTENTION, register_packed_attention, register_padded_attention
+from common.determinism import hash_named_tensors
 from common.distributed import all_gather_rows, fail, local_world_size, save_group
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from common.llm_run import LLMArgs
+from common.llm.attention import (
+    PACKED_ATTENTION,
+    PADDED_ATTENTION,
+    register_packed_attention,
+    register_padded_attention,
+)
+from common.llm.state import LLMArgs
 
 EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model
 SYNC_BUCKET_BYTES = 256 * 2**20  # full tensors gathered per collective while streaming weights (in the target dtype)
@@ -293,8 +293,6 @@ def final_parameter_hash(model: torch.nn.Module) -> str:
     replicas hold the same shards) gather nothing. DTensor.full_tensor() on every rank would gather the whole
     float32 model into every rank and each would copy it to the host and hash it: at 7B, 30.5 GB per rank."""
     from torch.distributed.tensor import DTensor
-
-    from common.determinism import hash_named_tensors
 
     state = model.state_dict()
     sharded = [tensor for tensor in state.values() if isinstance(tensor, DTensor)]

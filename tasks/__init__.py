@@ -6,9 +6,8 @@
 - or a user's own `Task` subclass, from a file or an importable module: `--task my_task.py:MyTask`,
   `--task mypackage.tasks:MyTask` (constructed with no arguments). A new task needs no edit here.
 
-The interface is in common/tasks/base.py; README.md ("New tasks") shows a complete task in one file."""
-
-from __future__ import annotations
+The contract (`Example`, `Task`, `Environment`) is in tasks/base.py and is importable from here; docs/tasks.md shows
+a complete single-turn and multi-turn task in one file each."""
 
 import importlib
 import importlib.util
@@ -16,28 +15,20 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from common.tasks.addition import AdditionTask, addition_examples, addition_operands
-from common.tasks.base import Environment, Example, Task, TaskError
-from common.tasks.countdown import CountdownTask, TinyCountdownTask
-from common.tasks.gsm8k import GSM8KTask, gsm8k_flexible, gsm8k_strict
-from common.tasks.math_answers import DapoMathTask, MathTask
-from common.tasks.reasoning_gym_tasks import ReasoningGymTask
-
-
-def tiny_calculator(tool: str = "") -> Task:
-    """TinyCalculatorTask (`calculator_tiny:off`: without its tool), imported on first use: its environment
-    subclasses common/tools.py's, and common/tools.py imports this package."""
-    from common.tasks.calculator_tiny import TinyCalculatorTask
-
-    return TinyCalculatorTask(tool)
-
+from tasks.addition import AdditionTask, addition_examples, addition_operands
+from tasks.base import Environment, Example, Task, TaskError
+from tasks.calculator_tiny import TinyCalculatorTask
+from tasks.countdown import CountdownTask, TinyCountdownTask
+from tasks.gsm8k import GSM8KTask, gsm8k_flexible, gsm8k_strict
+from tasks.math_answers import DapoMathTask, MathTask
+from tasks.reasoning_gym_tasks import ReasoningGymTask
 
 # name -> the task's class; `name:argument` passes the argument (a local copy, a dataset name) to its constructor
 TASKS: dict[str, Callable[..., Task]] = {
     "addition": AdditionTask,
     "countdown": CountdownTask,
     "countdown_tiny": TinyCountdownTask,
-    "calculator_tiny": tiny_calculator,
+    "calculator_tiny": TinyCalculatorTask,
     "gsm8k": GSM8KTask,
     "math": MathTask,
     "dapo_math": DapoMathTask,
@@ -52,8 +43,9 @@ TASK_HELP = (f"a registered task ({', '.join(TASKS)}); `name:argument` for a loc
              "`package.module:Class`")
 
 __all__ = ["TASKS", "TASK_HELP", "AdditionTask", "CountdownTask", "DapoMathTask", "Environment", "Example",
-           "GSM8KTask", "MathTask", "ReasoningGymTask", "Task", "TaskError", "TinyCountdownTask", "addition_examples",
-           "addition_operands", "check_task_fits", "gsm8k_flexible", "gsm8k_strict", "make_task"]
+           "GSM8KTask", "MathTask", "ReasoningGymTask", "Task", "TaskError", "TinyCalculatorTask", "TinyCountdownTask",
+           "addition_examples", "addition_operands", "characters_kept", "check_task_fits", "gsm8k_flexible",
+           "gsm8k_strict", "make_task"]
 
 
 def make_task(spec: str) -> Task:
@@ -72,7 +64,7 @@ def make_task(spec: str) -> Task:
                         "path/to/file.py:Class or package.module:Class")
     task_class = user_class(name, argument)
     if not (isinstance(task_class, type) and issubclass(task_class, Task)):
-        raise TaskError(f"{spec!r} is not a subclass of common.tasks.Task")
+        raise TaskError(f"{spec!r} is not a subclass of tasks.Task")
     return task_class()
 
 
@@ -110,13 +102,20 @@ def check_task_fits(task: Task, spec: str, tokenizer: object, model: str, texts:
         raise TaskError(f"task {spec!r} needs completions of at least {task.min_completion_length} tokens: "
                         f"--max-completion-length {max_completion_length} cannot hold an answer; pass "
                         f"--max-completion-length {task.min_completion_length} or more")
-    unknown = getattr(tokenizer, "unk_token_id", None)
-    kept = total = 0
-    for text, row in zip(texts, ids):
-        known = [i for i in row if i != unknown]
-        kept += min(len(text), len(tokenizer.decode(known, skip_special_tokens=False)))
-        total += len(text)
+    kept = sum(characters_kept(tokenizer, text, row) for text, row in zip(texts, ids))
+    total = sum(map(len, texts))
     if total and kept < total / 2:
         raise TaskError(f"the tokenizer of {model!r} cannot express the prompts of task {spec!r}: only "
                         f"{kept / total:.0%} of their characters survive encoding (the rest are unknown to it); "
                         "use a model whose tokenizer covers the task's text (--model-name-or-path)")
+
+
+def characters_kept(tokenizer: object, text: str, ids: list[int] | None = None) -> int:
+    """How many of `text`'s characters survive its encoding `ids` (default: its plain encoding): the length of what the
+    ids other than the unknown token decode to, at most the text's. A tokenizer that lacks a script (a
+    character-level model and an English word) drops or unknowns them."""
+    if ids is None:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    known = [i for i in ids if i != unknown]
+    return min(len(text), len(tokenizer.decode(known, skip_special_tokens=False)))

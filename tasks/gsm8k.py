@@ -2,7 +2,9 @@
 
 import re
 
-from common.tasks.base import Example, Row, Task, load_split
+from tasks.base import Example, Task
+from tasks.data import Row, load_split
+from tasks.math_answers import lenient_correct
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
@@ -44,7 +46,5 @@ class GSM8KTask(Task):
         return float(gsm8k_flexible(completion) == example.answer)
 
     def eval_metrics(self, completion: str, example: Example) -> dict[str, float]:
-        from common.tasks.math_answers import lenient_correct
-
         return {"accuracy_flexible": self.flexible_reward(completion, example),
                 "accuracy_lenient": float(lenient_correct(completion, example.answer))}

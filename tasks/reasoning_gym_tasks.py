@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import os
 
-from common.tasks.base import Example, Task, TaskError, last_tagged
+from tasks.base import Example, Task, TaskError, last_tagged
 
 # Problem i of a dataset is drawn from Random(seed + i), so the two seed ranges must not meet: train uses the seeds
 # 1 .. 10,000, test 1,000,000 .. 1,000,499.
@@ -45,8 +45,8 @@ class ReasoningGymTask(Task):
     exactly 1.0, the dataset's full marks. A scorer that raises is not caught: the run stops with the prompt and the
     completion (so prime_factorization, whose scorer raises on a non-numeric answer, is refused). Held out, also
     eval/reward (the mean partial-credit reward) and eval/answer_tags (the share of completions with an answer in
-    tags). Scorers that parse the answer with sympy (countdown's) run it on model text: see the README's Tasks
-    section."""
+    tags). Scorers that parse the answer with sympy (countdown's) run it on model text: see docs/tasks.md, "The
+    registered tasks"."""
 
     def __init__(self, dataset: str, num_train: int = TRAIN_SIZE, num_test: int = TEST_SIZE) -> None:
         try:

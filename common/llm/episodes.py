@@ -16,23 +16,19 @@ reply would leave no room for another model token (the reply is rolled back: the
 "budget"), or after `--max-turns` model turns. An environment that raises or returns the wrong types stops every
 rank with a message (one collective per call, on every rank, whatever the turn counts)."""
 
-from __future__ import annotations
-
 import hashlib
 import math
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from common.distributed import all_ranks_ok, fail
-from common.rollout import Episode, Sample
-from common.scoring import decode_completion, task_scores
-from common.tasks import Example, Task, TaskError
-
-if TYPE_CHECKING:
-    from common.llm_run import LLMRun
+from common.llm.scoring import decode_completion, task_scores
+from common.llm.state import Episode, LLMRun, Sample
+from common.tracking import get_logger
+from tasks import Environment, Example, Task, TaskError, characters_kept
+from tasks.tools import environment_of
 
 TEMPLATE_BASE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]  # the fixed base
 
@@ -46,7 +42,42 @@ def turn_seed(seed: int, turn: int) -> int:
 
 
 def is_multi_turn(task: Task) -> bool:
-    return task.environment() is not None
+    return environment_of(task) is not None
+
+
+def start_episode(environment: Environment, example: Example, max_turns: int) -> None:
+    """What the environment knows before its first step (tasks/base.py, Environment): the turn limit, empty events,
+    no verdict yet; then its own `reset`."""
+    environment.max_turns, environment.turn = max_turns, 0
+    environment.events, environment.correct = Counter(), None
+    environment.reset(example)
+
+
+def check_reply_encodes(tokenizer: object, text: str) -> str | None:
+    """Why a reply's text cannot reach the model (fewer than half of its characters survive the tokenizer, as for
+    `check_task_fits`' prompts: a character-level model's vocabulary has no letters), or None."""
+    if text.strip() and characters_kept(tokenizer, text) < len(text) / 2:
+        kept = tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids, skip_special_tokens=True)
+        return f"the reply {text!r} encodes to {kept!r} with this tokenizer: its characters are unknown to it"
+    return None
+
+
+def probe_environment(task: Task, tokenizer: object, example: Example, max_turns: int) -> str | None:
+    """Before any model loads: one fresh environment, reset on `example` and stepped once with its `probe_text`,
+    must return (reply, reward, done) of the right types, with a reply the tokenizer can encode. Returns why not, or
+    None (also for a single-turn task, and for an environment whose `probe_text` is None: its step has side
+    effects)."""
+    environment = environment_of(task)
+    if environment is None or environment.probe_text is None:
+        return None
+    try:
+        start_episode(environment, example, max_turns)
+        reply, _, _ = check_step(environment.step(environment.probe_text))
+    except Exception as error:
+        return (f"the task's environment failed at turn 1 of prompt {example.prompt!r} with model text "
+                f"{environment.probe_text!r} (a probe before any model loads; Environment.probe_text = None skips "
+                f"it): {error!r}")
+    return check_reply_encodes(tokenizer, reply) if reply is not None else None
 
 
 def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Callable[[str], list[int]]:
@@ -98,6 +129,19 @@ def check_step(result: object) -> tuple[str | None, float, bool]:
     return reply, float(reward), done
 
 
+_warned_lost_reply = False
+
+
+def warn_once_if_lost(tokenizer: object, text: str) -> None:
+    """A warning, once per process, when an environment's reply does not survive the tokenizer (the model would read
+    nothing, or little, of it)."""
+    global _warned_lost_reply
+    if not _warned_lost_reply and (problem := check_reply_encodes(tokenizer, text)):
+        _warned_lost_reply = True
+        get_logger(dist.get_rank() if dist.is_initialized() else 0).warning(
+            f"{problem}; the model reads its tokens only (warned once)")
+
+
 def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples: list[Example], seeds: list[int],
                  max_tokens: int, temperature: float) -> list[Sample]:
     """One sample per prompt: an engine call for a single-turn task, else whole episodes (the module's docstring).
@@ -105,8 +149,8 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
     task, tokenizer, eos_ids = run.task, run.tokenizer, run.eos_ids
     if not is_multi_turn(task):  # decided alike on every rank, even one without prompts
         return engine.generate(prompts, seeds, max_tokens, temperature, eos_ids)
-    environments = [task.environment() for _ in examples]
-    event_names = task.environment().event_names
+    environments = [environment_of(task) for _ in examples]
+    event_names = environment_of(task).event_names
     reply_ids = reply_encoder(tokenizer, run.templated, eos_ids)
     count, problem = len(prompts), None
     ids: list[list[int]] = [[] for _ in range(count)]
@@ -114,9 +158,8 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
     masks: list[list[int]] = [[] for _ in range(count)]
     rewards, turns, ends, cut = [0.0] * count, [0] * count, ["turns"] * count, [False] * count
     for environment, example in zip(environments, examples):
-        environment.events, environment.correct = Counter(), None
         try:
-            environment.reset(example)
+            start_episode(environment, example, run.args.max_turns)
         except Exception as error:
             problem = problem or f"the task's environment failed in reset on prompt {example.prompt!r}: {error!r}"
     running = [] if problem else list(range(count))
@@ -139,9 +182,12 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
             turns[i] += 1
             cut[i] = sample.truncated  # the model's turn hit the budget before its EOS
             text = decode_completion(tokenizer, sample.completion_ids, eos_ids)
+            environments[i].turn = turn
             try:
                 reply, reward, done = check_step(environments[i].step(text))
                 reply_tokens = reply_ids(reply) if reply is not None and not done else []
+                if reply is not None and not done:
+                    warn_once_if_lost(tokenizer, reply)
             except Exception as error:  # a bug in the task's code: the run stops, with what it was given
                 problem = (f"the task's environment failed at turn {turn + 1} of prompt {examples[i].prompt!r} "
                            f"with model text {text!r}: {error!r}")
@@ -172,15 +218,6 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
     return samples
 
 
-def score_samples(task: Task, examples: list[Example], samples: list[Sample], texts: list[str]
-                  ) -> list[tuple[float, bool]]:
-    """(reward, correct) of every sample: the episode's, or the task's `score` of a single-turn completion (a
-    collective: decided by the task, alike on every rank)."""
-    if is_multi_turn(task):
-        return [(sample.episode.reward, sample.episode.correct) for sample in samples]
-    return task_scores(task.score, examples, texts)
-
-
 def episode_sums(samples: list[Sample], event_names: tuple[str, ...]) -> dict[str, float]:
     """This rank's sums of the episode statistics (to be reduced by name and divided by the episode count)."""
     episodes = [sample.episode for sample in samples]
@@ -192,3 +229,12 @@ def episode_sums(samples: list[Sample], event_names: tuple[str, ...]) -> dict[st
     if "tool_calls" in event_names:
         sums["episode/tool_call_rate"] = sum(e.events.get("tool_calls", 0) > 0 for e in episodes)
     return sums
+
+
+def score_samples(task: Task, examples: list[Example], samples: list[Sample], texts: list[str]
+                  ) -> list[tuple[float, bool]]:
+    """(reward, correct) of every sample: the episode's, or the task's `score` of a single-turn completion (a
+    collective: decided by the task, alike on every rank)."""
+    if is_multi_turn(task):
+        return [(sample.episode.reward, sample.episode.correct) for sample in samples]
+    return task_scores(task.score, examples, texts)

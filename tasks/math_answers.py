@@ -27,7 +27,8 @@ import threading
 from functools import lru_cache
 from typing import Any
 
-from common.tasks.base import Example, Row, Task, TaskError, load_split
+from tasks.base import Example, Task, TaskError
+from tasks.data import Row, load_split
 
 PARSE_TIMEOUT_S = 5  # math-verify's defaults, per parse and per comparison (main thread only, see above)
 VERIFY_TIMEOUT_S = 5

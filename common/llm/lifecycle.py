@@ -1,0 +1,307 @@
+"""The lifecycle the three LLM scripts share, the calls their loops make in the same order, written once because the
+order carries rules: `check_llm_args` refuses bad flags on every rank before any collective; `prepare_run` seeds
+before any engine exists and stops on a model, task or environment that cannot work before any model loads;
+`start_training` starts the engine (which reseeds every RNG, so --seed is applied again), then restores a
+checkpoint's shards and RNG states, then gives the engine its first weights by the same path as every step's
+`sync_weights` (common/llm/rollouts.py); `end_step` stops on a non-finite loss before anything is written, evaluates,
+logs and checkpoints; `finish` writes the final hash. With --rollout-ranks K (common/llm/layout.py) the same calls run
+on the trainer ranks, with the rollout ranks behind them: `prepare_run` never returns on a rollout rank, which serves
+generation (`serve_rollouts`) and exits."""
+
+import importlib.util
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.checkpoint import CheckpointWriteFailed
+from common.determinism import restore_rng_states, seed_everything, seed_rngs
+from common.distributed import (
+    all_ranks_ok,
+    check_shared_filesystem,
+    fail,
+    init_distributed,
+    local_world_size,
+    nccl_record,
+)
+from common.llm.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
+from common.llm.engines import engine_kind
+from common.llm.episodes import is_multi_turn, probe_environment, reply_encoder
+from common.llm.evaluation import evaluation
+from common.llm.kernels import (
+    effective_determinism_env,
+    engine_kernels_without_engine,
+    python_kernels,
+    reroute_composite_autograd,
+)
+from common.llm.layout import RemoteRollouts, split_world
+from common.llm.models import final_parameter_hash, fsdp_shard_size
+from common.llm.rollouts import serve_rollouts, start_engine, sync_weights
+from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, checkpoint_due, evaluation_due
+from common.preemption import catch_stop_signals, preempted, step_boundary, stop_signals_problem
+from common.tracking import RunTracker, get_logger
+from tasks import Example, TaskError, check_task_fits, make_task
+from tasks.tools import check_tools
+
+
+def check_llm_args(args: LLMArgs, world_size: int) -> None:
+    """The checks every LLM script shares; each script adds its own. Runs on every rank before any collective."""
+    for name in ("total_steps", "prompts_per_step", "num_generations", "micro_batch_size", "max_completion_length",
+                 "vllm_tp", "max_prompt_length", "learning_rate", "temperature", "max_turns"):
+        if not getattr(args, name) > 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.rollout_ranks < 0 or args.max_staleness not in (0, 1):
+        fail(f"--rollout-ranks must be non-negative and --max-staleness 0 or 1, got {args.rollout_ranks} and "
+             f"{args.max_staleness}")
+    if args.max_staleness and not args.rollout_ranks:
+        fail("--max-staleness 1 needs --rollout-ranks: one-step-off generation runs on ranks of its own")
+    trainers, generators = world_size - args.rollout_ranks, args.rollout_ranks or world_size
+    if args.rollout_ranks and trainers < 1:
+        fail(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank in a world of {world_size}: use at most "
+             f"{world_size - 1}")
+    for ranks, what in ((trainers, "trainer ranks" if args.rollout_ranks else "world size"),
+                        (generators, "rollout ranks")):
+        if args.prompts_per_step % ranks:
+            fail(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {what} {ranks}")
+    if generators % args.vllm_tp:
+        fail(f"--vllm-tp {args.vllm_tp} must divide the {'rollout ranks' if args.rollout_ranks else 'world size'} "
+             f"{generators}")
+    per_node, tp = local_world_size(), args.vllm_tp  # a group: tp consecutive ranks from the first generator on
+    if engine_kind(args.rollout_engine) == "vllm" and any(first // per_node != (first + tp - 1) // per_node
+                                                          for first in range(world_size - generators, world_size, tp)):
+        fail(f"--vllm-tp {tp} would put a tensor-parallel group across nodes: each node runs {per_node} rank(s) "
+             f"(torchrun --nproc_per_node) and a group is {tp} consecutive ranks of the "
+             f"{'last ' + str(generators) if args.rollout_ranks else str(world_size)}; vLLM-CPU's shared-memory "
+             "communicator cannot span nodes, and on GPUs it would be slow. Use a --vllm-tp that divides "
+             "--nproc_per_node (and, split, --rollout-ranks a multiple of both)")
+    shard_size = fsdp_shard_size(args.fsdp_shard_size, trainers)
+    if shard_size < 1 or trainers % shard_size:
+        fail(f"--fsdp-shard-size {args.fsdp_shard_size} (0 = ranks per node) gives shard size {shard_size}, which "
+             f"must divide the {'trainer ranks' if args.rollout_ranks else 'world size'} {trainers}")
+    if min(args.eval_every, args.save_every, args.keep_last, args.num_eval_prompts, args.warmup_steps,
+           args.eval_samples) < 0:
+        fail("--eval-every, --save-every, --keep-last, --num-eval-prompts, --eval-samples and --warmup-steps must be "
+             "non-negative")
+    if args.dynamic_sampling_rounds < 0 or (args.dynamic_sampling_rounds and args.num_generations < 2):
+        fail(f"--dynamic-sampling-rounds must be non-negative, and needs --num-generations of at least 2 (a group of "
+             f"one never varies), got {args.dynamic_sampling_rounds} and {args.num_generations}")
+    if args.eval_samples and not args.eval_temperature > 0:
+        fail(f"--eval-temperature must be positive with --eval-samples, got {args.eval_temperature}")
+    if args.track and importlib.util.find_spec("wandb") is None:
+        fail("--track needs Weights & Biases: pip install wandb")
+    if problem := stop_signals_problem(args.stop_signals):
+        fail(problem)
+    path = args.model_name_or_path
+    if not os.path.isdir(path) and (os.path.exists(path) or path.startswith(("/", "./", "../"))):
+        fail(f"--model-name-or-path {path!r} is not a model directory")
+
+
+def eos_token_ids(model_path: str, tokenizer: object) -> list[int]:
+    """The generation config's EOS ids (Qwen2.5-Instruct lists two) together with the tokenizer's."""
+    from transformers import GenerationConfig
+
+    try:
+        configured = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        configured = None
+    ids = set([configured] if isinstance(configured, int) else configured or []) | {tokenizer.eos_token_id}
+    return sorted(ids - {None})
+
+
+def prepare_run(args: LLMArgs) -> LLMRun:
+    """Seeds and deterministic kernels (their environment flags must exist before any engine or CUDA starts), the
+    process group, the checkpoint to resume from (checked against `args`), tokenizer, task, encoded prompts and EOS
+    ids. Every failure here stops every rank with a message, before any model is loaded."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a weight-loading bar per model and rank, interleaved
+    catch_stop_signals(args.stop_signals)  # from the start: a signal during start-up stops after the first step
+    determinism = seed_everything(args.seed, args.deterministic, colocated=not args.rollout_ranks)
+    args.rollout_engine = engine_kind(args.rollout_engine)  # recorded and compared on resume as the engine that ran
+    rank, world_size, device = init_distributed()
+    check_shared_filesystem(Path(args.resume or args.run_root), create=not args.resume)  # where this run writes
+    trainers = world_size - args.rollout_ranks  # a checkpoint records the trainers' world
+    resume_dir, resume_state = read_training_state(args, trainers, MAY_CHANGE_ON_RESUME) if args.resume else \
+        (None, None)
+    problem = None  # each rank reads the model's files and the task itself: decided together, so none hangs
+    try:
+        AutoConfig.from_pretrained(args.model_name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    except (OSError, ValueError) as error:
+        problem = f"cannot load model {args.model_name_or_path!r}: {error}"
+    try:
+        task = make_task(args.task)
+        if not task.train or not task.test:
+            raise TaskError(f"it has {len(task.train)} training and {len(task.test)} test examples; it needs both")
+    except TaskError as error:
+        problem = problem or f"task {args.task!r}: {error}"
+    except Exception as error:  # datasets raises many types for a missing dataset
+        problem = problem or f"cannot load task {args.task!r}: {error!r}"
+    if not all_ranks_ok(problem is None):
+        fail(problem or "another rank cannot load the model or the task; its message says why")
+    templated = task.chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+    def encode(examples: list[Example]) -> list[list[int]]:
+        texts = [task.format_prompt(tokenizer, example) for example in examples]
+        return tokenizer(texts, add_special_tokens=not templated).input_ids
+
+    try:  # a chat template may refuse the task's messages (e.g. no system role), a user's format_prompt may raise
+        train_ids, test_ids = encode(task.train), encode(task.test)
+        probe = task.train[:32] + task.test[:32]  # the same prompts on every rank
+        check_task_fits(task, args.task, tokenizer, args.model_name_or_path,
+                        [task.format_prompt(tokenizer, e) for e in probe], train_ids[:32] + test_ids[:32],
+                        args.max_completion_length)
+    except TaskError as error:
+        problem = str(error)
+    except Exception as error:
+        problem = f"task {args.task!r}: its prompts cannot be formatted for {args.model_name_or_path!r}: {error!r}"
+    if not all_ranks_ok(problem is None):
+        fail(problem or "another rank cannot format the task's prompts; its message says why")
+    eos_ids = eos_token_ids(args.model_name_or_path, tokenizer)
+    try:
+        multi_turn = is_multi_turn(task)
+    except Exception as error:  # a user's environment() that cannot start
+        multi_turn, problem = False, f"task {args.task!r}: its environment() failed: {error!r}"
+    if not all_ranks_ok(problem is None):
+        fail(problem or "another rank cannot make the task's environment; its message says why")
+    if multi_turn:  # before any engine: the environment answers, its replies encode, sandboxed tools are isolated
+        hidden = [args.run_root] + ([args.resume] if args.resume else [])  # from code the model writes
+        problem = check_tools(task, args.allow_unisolated_tools, hidden)
+        try:
+            reply_encoder(tokenizer, templated, eos_ids)("0")
+        except TaskError as error:
+            problem = problem or f"task {args.task!r} with model {args.model_name_or_path!r}: {error}"
+        problem = problem or probe_environment(task, tokenizer, task.train[0], args.max_turns)
+        if not all_ranks_ok(problem is None):
+            fail(problem or "another rank cannot run the task's environment or tools; its message says why")
+    keep = [i for i, ids in enumerate(train_ids) if len(ids) <= args.max_prompt_length]
+    if len(keep) < args.prompts_per_step:
+        fail(f"only {len(keep)} training prompts fit --max-prompt-length {args.max_prompt_length}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    layout = split_world(args.rollout_ranks, args.max_staleness) if args.rollout_ranks else None
+    if layout is not None:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    run = LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
+                 [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in test_ids],
+                 eos_ids, templated, pad_id, resume_dir, resume_state, layout)
+    if layout is not None and layout.is_rollout:
+        serve_rollouts(run)
+        sys.exit(0)
+    return run
+
+
+def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+                   schedulers: list[torch.optim.lr_scheduler.LambdaLR], updates_per_step: int
+                   ) -> tuple[object, RunTracker, int]:
+    """This rank's rollout engine, the checkpoint resumed from (shards back into the models and optimizers of
+    `trained`, the schedules fast-forwarded, this rank's RNG states), the run directory, and the engine's first
+    weights. Returns the engine, the tracker and the last completed step (0 for a fresh run)."""
+    args = run.args
+    start_step = run.resume_state["step"] if run.resume_state else 0
+    if run.layout is None:
+        engine = start_engine(run)
+    else:  # the rollout ranks' engines, behind the schedule; with S = 1 the checkpoint holds the batch in flight
+        engine = RemoteRollouts(run.layout, args.prompts_per_step * args.num_generations, args.total_steps,
+                                run.resume_state.get("in_flight") if start_step else None)
+        engine_kernels_without_engine(run.device.type, args.rollout_engine)  # a colocated trainer's kernels
+    seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
+    rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
+    if start_step:  # after the engine, whose start would overwrite the restored RNG states
+        load_training_checkpoint(run.resume_dir, trained)
+        for scheduler in schedulers:  # a pure function of the update count
+            for _ in range(start_step * updates_per_step):
+                scheduler.step()
+        restore_rng_states(run.resume_state["rng"])
+    runner = getattr(engine, "model_runner", None)
+    tracker = RunTracker(args, run.rank, run.world_size,
+                         {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
+                          "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted,
+                          "nccl": nccl_record()},
+                         run.resume_dir, start_step)
+    log = get_logger(run.rank)
+    if runner == "v1" and run.device.type == "cuda":
+        log.warning("vLLM runs its V1 model runner, which samples seeded requests one by one in Python; "
+                    "unset VLLM_USE_V2_MODEL_RUNNER=0 or use a model the V2 runner supports")
+    split = f" trainers, {args.rollout_ranks} rollout ranks" if run.layout else ""
+    log.info(f"world size {run.world_size}{split}, {type(engine).__name__} (model runner {runner}), "
+             f"{len(run.train_ids)} train / {len(run.test_ids)} test prompts, starting after step {start_step}")
+    if start_step:  # the same weight path into the engine as the uninterrupted run took
+        sync_weights(engine, trained["policy"][0], args.dtype)
+    else:
+        metrics = evaluation(engine, run)
+        tracker.log(0, metrics)
+        tracker.write_json("eval_before.json", metrics)
+        log.info(f"held-out greedy accuracy before training: {metrics['eval/accuracy']:.4f}")
+    return engine, tracker, start_step
+
+
+def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollout: Rollout,
+             metrics: dict[str, float], trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+             extra: dict | None = None) -> None:
+    """After the update and the weight sync: stop on a non-finite loss (the last checkpoint is left as it was),
+    evaluate when due, log the step, and checkpoint when due (`extra`: state the algorithm carries between steps).
+    Every rank (the split layout: the rollout ranks too) meets at the step boundary (common/preemption.py): a failed
+    log write stops them all with its message, and a stop signal that reached any of them writes a checkpoint now
+    and ends the run with the line that resumes it. After a checkpoint they meet again, so that a failed one stops
+    them all too (in the split layout the rollout ranks wait for it, where they would otherwise sample on)."""
+    args = run.args
+    metrics["perf/step_s"] = time.time() - rollout.started
+    reduce_s = time.time() - rollout.timings.pop("synced_at")  # the statistics' collectives, waits included
+    if isinstance(engine, RemoteRollouts):  # the split layout's staleness and idle times
+        rollout.timings["trainer_wait_s"] = metrics["perf/trainer_wait_s"] = engine.wait_s
+        metrics["perf/rollout_wait_s"] = sum(t["rollout_wait_s"] for t in rollout.rollout_timings) / len(
+            rollout.rollout_timings)
+        metrics.update({"rollout/weight_version": rollout.version, "rollout/staleness": step - 1 - rollout.version})
+    tracker.log_timings(step, {**rollout.timings, "train_s": metrics.get("perf/train_s", 0.0), "reduce_s": reduce_s,
+                               "step_s": metrics["perf/step_s"]}, rollout.rollout_timings)
+    if not all(math.isfinite(value) for name, value in metrics.items() if name.endswith("loss")):
+        engine.close()  # before the process group goes: its shutdown needs it
+        fail(f"non-finite loss at step {step}; the last checkpoint is left as it was")
+    metrics.update(rollout.rollout_metrics)
+    if evaluation_due(step, args.eval_every, args.total_steps):
+        metrics.update(evaluation(engine, run))
+    tracker.log(step, metrics)
+    shown = {"score": "train/score", "acc": "train/accuracy", "eval_acc": "eval/accuracy",
+             "tok/s": "perf/rollout_tokens_per_s"}
+    tracker.progress(step, args.total_steps, {label: metrics[key] for label, key in shown.items() if key in metrics})
+    group = run.layout.world if run.layout else None  # the split layout: the rollout ranks meet here too
+    stop = step_boundary(tracker.write_failure, group, engine.close)
+    stopping = stop is not None and step < args.total_steps
+    if stopping or checkpoint_due(args, step):
+        started = time.time()
+        try:
+            saved, failure = save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer,
+                                                      args, extra, getattr(engine, "in_flight", None)), None
+        except CheckpointWriteFailed as error:
+            saved, failure = None, str(error)
+        step_boundary(failure, group, engine.close)  # every rank, the rollout ranks too, learns how it went
+        if run.rank == 0:  # a preemption's grace period must cover a step (perf/step_s) and this
+            get_logger(0).info(f"checkpoint {saved.name} written in {time.time() - started:.1f} s")
+    if stopping:
+        preempted(stop, step, saved, run.rank, tracker.write_json, lambda: shut_down(run, engine, tracker))
+
+
+def shut_down(run: LLMRun, engine: object, tracker: RunTracker) -> None:
+    """Logs closed, the engine stopped, the process group left."""
+    tracker.close()
+    engine.close()
+    if dist.is_initialized():  # vLLM's shutdown may already have taken the group down
+        dist.destroy_process_group()
+
+
+def finish(run: LLMRun, engine: object, tracker: RunTracker, policy: torch.nn.Module,
+           metrics: dict[str, float]) -> None:
+    """final.json (the last step's metrics and the sha256 of the final parameters), then an orderly shutdown (a
+    failed write stops every trainer rank with its message)."""
+    final_hash = final_parameter_hash(policy)
+    tracker.write_json("final.json", {"step": run.args.total_steps, "parameter_sha256": final_hash, **metrics})
+    tracker.close()
+    step_boundary(tracker.write_failure, before_exit=engine.close)
+    get_logger(run.rank).info(f"done: held-out greedy accuracy {metrics.get('eval/accuracy', float('nan')):.4f}, "
+                              f"parameters sha256 {final_hash[:16]}")
+    shut_down(run, engine, tracker)

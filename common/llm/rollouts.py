@@ -1,0 +1,278 @@
+"""Rollouts, one step's samples on this rank: which prompts (`prompts_for_rank`, `rank_rows`: fixed per seed and step),
+sampled by the engine (`sample_prompts`, with DAPO's dynamic sampling), decoded and scored by the task (`score_rows`),
+assembled with every rank's lengths (`generate`); the judge's scores (`judge`); the policy's weights streamed into the
+engine after each update (`sync_weights`); and, in the split layout, the rollout ranks' whole loop (`serve_rollouts`).
+"""
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from common.distributed import all_gather_rows, all_ranks_ok, end, reduce_stats, run_before_leaving
+from common.llm.engines import FakeEngine, make_engine, sample_seed
+from common.llm.episodes import episode_sums, is_multi_turn, run_episodes, score_samples
+from common.llm.evaluation import evaluate
+from common.llm.layout import RemoteRollouts, receive_weights, send_evaluation, send_samples
+from common.llm.models import stream_weights
+from common.llm.scoring import RewardModel, decode_completion
+from common.llm.state import LLMRun, Rollout, Sample, checkpoint_due, evaluation_due
+from common.preemption import EXIT_PREEMPTED, step_boundary
+from tasks.tools import environment_of
+
+
+def start_engine(run: LLMRun) -> object:
+    """This rank's rollout engine. Colocated on a GPU it sleeps while the trainer works; split, it has its GPU."""
+    args = run.args
+    max_model_len = max(map(len, run.train_ids + run.test_ids)) + args.max_completion_length
+    if run.device.type == "cuda":  # loading held one full tensor at a time; vLLM sizes itself from free memory
+        torch.cuda.empty_cache()
+    if args.rollout_engine == "fake":
+        return FakeEngine(len(run.tokenizer), args.fake_tau0_s, args.fake_median_length, args.fake_length_sigma)
+    engine = make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
+                         run.device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization,
+                         colocated=run.layout is None)
+    run_before_leaving(engine.close)  # a run stopped by `fail` shuts its engine down while the group exists
+    return engine
+
+
+def prompts_for_rank(step: int, seed: int, num_prompts: int, prompts_per_step: int, rank: int, world_size: int
+                     ) -> tuple[list[int], int]:
+    """This rank's prompt indices for `step` (1-based), and the position of the first of them in the step's global
+    batch: a fixed permutation per epoch, cut into consecutive steps, each step split into contiguous rank slices."""
+    epoch, position = divmod(step - 1, num_prompts // prompts_per_step)  # steps per epoch
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    per_rank = prompts_per_step // world_size
+    first = position * prompts_per_step + rank * per_rank
+    return order[first:first + per_rank].tolist(), rank * per_rank
+
+
+def rank_rows(run: LLMRun, step: int, refill_round: int = 0) -> tuple[list[int], list[int]]:
+    """This rank's rows of `step` (G per prompt): each row's index into the training prompts and its sampling seed,
+    the seed from the sample's global coordinates (step, prompt, sample), so no sample depends on which rank draws
+    it. A refill round r > 0 (--dynamic-sampling-rounds) draws as many further prompts from a permutation of its own,
+    a function of (seed, step, r) alone (so a resumed run draws the same), at coordinates r x prompts-per-step on."""
+    args = run.args
+    indices, first = prompts_for_rank(step, args.seed, len(run.train_ids), args.prompts_per_step, run.rank,
+                                      run.world_size)
+    if refill_round:
+        order = torch.randperm(len(run.train_ids), generator=torch.Generator().manual_seed(
+            sample_seed(args.seed, step, -1 - refill_round, -1)))  # -1: no sample's (nor PPO's shuffle's) coordinates
+        indices = order[first:first + len(indices)].tolist()
+    group, offset = range(args.num_generations), refill_round * args.prompts_per_step + first
+    seeds = [sample_seed(args.seed, step, offset + p, i) for p in range(len(indices)) for i in group]
+    return [i for i in indices for _ in group], seeds
+
+
+@dataclass
+class SampledRows:
+    """This rank's rows of a step: G consecutive rows per prompt. `texts` and `judged` are None until scored."""
+    indices: list[int]  # each row's index into the training prompts
+    samples: list[Sample]
+    texts: list[str] | None  # each completion decoded, as the judge reads it
+    judged: list[tuple[float, bool]] | None  # the task's (score, correct) of each row
+    generate_s: float
+    score_s: float
+    refill: dict[str, float]  # --dynamic-sampling-rounds: this rank's counts (rounds, groups sampled, varied, filler)
+
+
+def sample_prompts(engine: object, run: LLMRun, step: int) -> SampledRows:
+    """This rank's rows of `step` sampled by `engine` (scored later by `score_rows`). With --dynamic-sampling-rounds
+    R (DAPO, Yu et al., arXiv:2503.14476, eq. 11, which keeps the groups that are neither all right nor all wrong;
+    here: whose task scores are not all equal, the same for 0/1 rewards), each round is scored at once; a group whose G
+    scores are all equal has no advantage to learn from the task: it is dropped, and up to R further rounds of
+    prompts (`rank_rows`) refill this rank's share. Varied groups are kept in the order they were drawn. When the
+    rounds run out first, dropped groups fill the rest, so every rank trains on the same shapes (only the overlong
+    penalty and the KL term, when on, can still move them); `refill` counts it. A refill round runs on every rank
+    while any rank still lacks groups (one small all-reduce per round); a rank already full joins it with no prompts.
+    generate_s then includes the rounds' scoring and those waits."""
+    args, started = run.args, time.time()
+
+    def sampled(indices: list[int], seeds: list[int]) -> SampledRows:
+        samples = run_episodes(engine, run, [run.train_ids[i] for i in indices], [run.train[i] for i in indices],
+                               seeds, args.max_completion_length, args.temperature)
+        return SampledRows(indices, samples, None, None, time.time() - started, 0.0, {})
+
+    indices, seeds = rank_rows(run, step)
+    if not args.dynamic_sampling_rounds:
+        return sampled(indices, seeds)
+    size, rows_per_rank, kept, dropped, rounds = args.num_generations, len(indices), [], [], 0
+    for refill_round in range(args.dynamic_sampling_rounds + 1):
+        wanted = len(kept) * size < rows_per_rank
+        if refill_round and all_ranks_ok(not wanted):  # a round for all or none: scoring is a collective
+            break
+        rows = score_rows(run, sampled(*(rank_rows(run, step, refill_round) if wanted else ([], []))))
+        rounds += wanted
+        for first in range(0, len(rows.indices), size):
+            group = [column[first:first + size] for column in (rows.indices, rows.samples, rows.texts, rows.judged)]
+            (kept if len({score for score, _ in group[3]}) > 1 else dropped).append(group)
+    chosen = (kept + dropped)[:rows_per_rank // size]
+    refill = {"rounds": rounds, "sampled_groups": len(kept) + len(dropped), "varied_groups": len(kept),
+              "filler_groups": max(0, rows_per_rank // size - len(kept))}
+    return SampledRows(*([row for group in chosen for row in group[c]] for c in range(4)), time.time() - started,
+                       0.0, refill)
+
+
+def score_rows(run: LLMRun, rows: SampledRows) -> SampledRows:
+    """Decode and score the rows by the task (a collective on every rank), unless that is done."""
+    if rows.judged is None:
+        started = time.time()
+        rows.texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in rows.samples]
+        rows.judged = score_samples(run.task, [run.train[i] for i in rows.indices], rows.samples, rows.texts)
+        rows.score_s += time.time() - started
+    return rows
+
+
+def generate(engine: object, run: LLMRun, step: int) -> Rollout:
+    """This rank's rows of `step` (`sample_prompts`), then the engine sleeps (on CUDA this frees its memory for
+    training) and the task scores every completion. Split layout: the same rows, sampled and scored by the rollout
+    ranks."""
+    started = time.time()
+    version, rollout_timings, refill = step - 1, [], None
+    if isinstance(engine, RemoteRollouts):
+        payloads = engine.batch(step)
+        indices = [i for payload in payloads for i in payload["indices"]] if "indices" in payloads[0] else \
+            rank_rows(run, step)[0]  # the rows of the step's own prompts, unless dynamic sampling refilled them
+        samples = [sample for payload in payloads for sample in payload["samples"]]
+        version, rollout_timings = payloads[0]["version"], [payload["timings"] for payload in payloads]
+        seconds = max(timings["generate_s"] for timings in rollout_timings)
+    else:
+        rows = sample_prompts(engine, run, step)
+        indices, samples, seconds, refill = rows.indices, rows.samples, rows.generate_s, rows.refill
+        engine.sleep()
+    prompts, examples = [run.train_ids[i] for i in indices], [run.train[i] for i in indices]
+    generated = time.time()
+    # The step's first collective: every rank's lengths (for token balancing and the timings); this rank waits here
+    # for the slowest generator
+    mine = torch.tensor([[len(p), len(s.completion_ids)] for p, s in zip(prompts, samples)])
+    lengths = all_gather_rows(mine)
+    gathered = time.time()
+    if rollout_timings:  # scored on the rollout ranks (a checkpoint older than `correct`: scores of 1 are correct)
+        texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
+        judged = [pair for payload in payloads for pair in zip(payload["scores"], payload.get(
+            "correct", [score >= 1 for score in payload["scores"]]))]
+        score_s = time.time() - gathered
+    else:
+        rows = score_rows(run, rows)
+        texts, judged, score_s = rows.texts, rows.judged, rows.score_s
+    scores = torch.tensor([float(score) for score, _ in judged])
+    correct = torch.tensor([float(right) for _, right in judged])
+    timings = {"generate_s": generated - started, "wait_s": gathered - generated, "score_s": score_s,
+               "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
+    return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, correct, lengths,
+                   started, seconds, timings, step, version, rollout_timings,
+                   rollout_metrics(run, samples, refill, rollout_timings))
+
+
+def rollout_metrics(run: LLMRun, samples: list[Sample], refill: dict[str, float] | None,
+                    rollout_timings: list[dict[str, float]]) -> dict[str, float]:
+    """The batch's multi-turn statistics (turns, tool calls and failures, environment tokens, truncations, per
+    episode) and dynamic sampling's: rounds per generating rank, the share of sampled groups that varied, the share of
+    the batch filled with dropped groups because the rounds ran out, prompts sampled. One collective each, on every
+    rank. Split layout: the refill counts come with each rollout rank's timings, all of which trainer 0 (the one that
+    logs) receives."""
+    args, metrics = run.args, {}
+    if is_multi_turn(run.task):
+        sums = reduce_stats(episode_sums(samples, environment_of(run.task).event_names))
+        metrics = {name: value / (args.prompts_per_step * args.num_generations) for name, value in sums.items()}
+    if args.dynamic_sampling_rounds:
+        names = ("rounds", "sampled_groups", "varied_groups", "filler_groups")
+        sums = reduce_stats(refill) if refill is not None else {
+            name: sum(timings[f"refill_{name}"] for timings in rollout_timings) for name in names}
+        generators = run.world_size if refill is not None else len(rollout_timings)
+        metrics.update({"dynamic/rounds": sums["rounds"] / generators,
+                        "dynamic/varied_fraction": sums["varied_groups"] / sums["sampled_groups"],
+                        "dynamic/filler_fraction": sums["filler_groups"] / args.prompts_per_step,
+                        "dynamic/sampled_prompts": sums["sampled_groups"]})
+    return metrics
+
+
+def judge(reward_model: RewardModel | None, rollout: Rollout) -> torch.Tensor:
+    """One score per completion: the reward model's when there is one, else the task's verifiable reward."""
+    return rollout.task_scores if reward_model is None else reward_model(rollout.examples, rollout.texts)
+
+
+def sync_weights(engine: object, policy: torch.nn.Module, dtype: str, rollout: Rollout | None = None) -> float:
+    """Stream the policy's full weights from the FSDP shards into the rollout engine, in the rollout dtype. Returns
+    the seconds it took; with `rollout`, adds its two parts to the step's timings: gathering (the generator's own
+    time: casts, collectives, slicing) and reloading (the engine's; split layout: the broadcast to the rollout ranks
+    and their reload). Split layout with --max-staleness 1: the next batch is received first, in the schedule's
+    order (common/llm/layout.py)."""
+    if rollout is not None and isinstance(engine, RemoteRollouts):
+        engine.receive_next(rollout.step)
+    started, gathering = time.time(), 0.0
+
+    def timed(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal gathering
+        while True:
+            before = time.time()
+            item = next(weights, None)
+            gathering += time.time() - before
+            if item is None:
+                return
+            yield item
+
+    engine.update_weights(timed(stream_weights(policy, getattr(torch, dtype))))
+    seconds = time.time() - started
+    if rollout is not None:
+        rollout.timings.update(sync_gather_s=gathering, sync_reload_s=seconds - gathering, synced_at=time.time())
+    return seconds
+
+
+def serve_rollouts(run: LLMRun) -> None:
+    """A rollout rank's whole run in the split layout (the schedule in common/llm/layout.py): generate and score its
+    share of each step's prompts, send the rows to the trainers that train them, load each update's weights, and
+    evaluate when due. Its prompts and sample seeds are those of the colocated layout at its world size."""
+    args, layout = run.args, run.layout
+    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(run.world_size))  # vLLM's external_launcher reads these
+    engine = start_engine(run)
+    start_step = run.resume_state["step"] if run.resume_state else 0
+    idle = 0.0  # seconds in transfers since the last generation: the engine's wait for the trainers
+
+    def transfer(action: object, *arguments: object) -> None:
+        nonlocal idle
+        started = time.time()
+        action(*arguments)
+        idle += time.time() - started
+
+    def produce(step: int, version: int) -> None:
+        nonlocal idle
+        rows = score_rows(run, sample_prompts(engine, run, step))
+        samples = rows.samples
+        scores, correct = zip(*rows.judged)
+        timings = {"generate_s": rows.generate_s, "score_s": rows.score_s, "rollout_wait_s": idle,
+                   "longest_completion": float(max(len(s.completion_ids) for s in samples)),
+                   "completions": float(len(samples)), **{f"refill_{k}": v for k, v in rows.refill.items()}}
+        idle = 0.0
+        transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples,
+                 [float(score) for score in scores], [float(right) for right in correct], version, timings,
+                 rows.indices if args.dynamic_sampling_rounds else None)
+
+    def load_weights() -> None:
+        transfer(lambda: engine.update_weights(receive_weights(layout, run.device)))
+
+    if start_step:
+        load_weights()
+    else:
+        metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
+        send_evaluation(layout, metrics if run.rank == 0 else None)
+        if layout.max_staleness:
+            produce(1, 0)
+    for step in range(start_step + 1, args.total_steps + 1):
+        if not layout.max_staleness:
+            produce(step, step - 1)
+        elif step < args.total_steps:
+            produce(step + 1, step - 1)
+        load_weights()
+        if evaluation_due(step, args.eval_every, args.total_steps):
+            metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
+            send_evaluation(layout, metrics if run.rank == 0 else None)
+        stopping = step_boundary(None, layout.world, engine.close) and step < args.total_steps  # as end_step's
+        if stopping or checkpoint_due(args, step):
+            step_boundary(None, layout.world, engine.close)  # the trainers wrote their checkpoint, or failed to
+        if stopping:
+            engine.close()
+            end(EXIT_PREEMPTED)
+    engine.close()
