@@ -22,7 +22,7 @@ from common.determinism import parameter_hash
 from common.distributed import Totals, reduce_stats
 from common.llm.attention import PACKED_ATTENTION, packed_attention_mask, register_packed_attention
 from common.llm.batching import make_batch, mismatch_stats, pad_completions, token_logprobs
-from common.llm.lifecycle import eos_token_ids
+from common.llm.lifecycle import encode_texts, eos_token_ids
 from common.llm.models import export_pretrained, load_model, stream_weights
 from common.llm.rollouts import prompts_for_rank
 from common.llm.scoring import RewardModel, check_scalar_head, decode_completion, task_scores
@@ -278,6 +278,21 @@ def test_eos_token_ids_join_generation_config_and_tokenizer(tmp_path: Path):
     assert eos_token_ids(str(TINY), tokenizer) == [1]
     GenerationConfig(eos_token_id=[7, 1]).save_pretrained(tmp_path)  # two EOS ids, as Qwen2.5-Instruct lists
     assert eos_token_ids(str(tmp_path), tokenizer) == [1, 7]
+
+
+def test_prompts_encode_as_the_tokenizer_encodes_them():
+    """encode_texts' Rust batch call gives tokenizer(texts).input_ids exactly, with and without special tokens, on
+    the embedded tokenizer; with truncation set on the backend it leaves the encoding to
+    transformers (whose call would reset it), so the ids are still transformers'."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    texts = ["12+34=", "999+1=", "", "7+8=9=+"] + [f"{a}+{b}=" for a in range(0, 1000, 37) for b in (3, 501)]
+    for special in (True, False):
+        assert encode_texts(tokenizer, texts, special) == tokenizer(texts, add_special_tokens=special).input_ids
+    tokenizer.backend_tokenizer.enable_truncation(3)
+    assert encode_texts(tokenizer, texts, True) == tokenizer(texts, add_special_tokens=True).input_ids
+    assert max(map(len, encode_texts(tokenizer, texts, True))) > 3  # transformers' call, not the truncating backend
 
 
 def test_decode_completion_drops_only_a_final_eos():

@@ -2,6 +2,7 @@
 and one seed per sample in (so a sample does not depend on its batch-mates), sampled token ids and their logprobs
 *after* temperature (what the trainer must reproduce) out."""
 
+import gc
 import hashlib
 import importlib.util
 import logging
@@ -43,6 +44,8 @@ class VLLMEngine:
     def __init__(self, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
                  kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True) -> None:
         from vllm import LLM
+
+        gc.freeze()  # what importing vLLM built lives all run: its start-up collections (six) need not walk it
 
         rank = dist.get_rank()
         self.tp, self.tp_group, self.closed = tp, None, False

@@ -8,6 +8,7 @@ logs and checkpoints; `finish` writes the final hash. With --rollout-ranks K (co
 on the trainer ranks, with the rollout ranks behind them: `prepare_run` never returns on a rollout rank, which serves
 generation (`serve_rollouts`) and exits."""
 
+import gc
 import importlib.util
 import math
 import os
@@ -112,6 +113,16 @@ def eos_token_ids(model_path: str, tokenizer: object) -> list[int]:
     return sorted(ids - {None})
 
 
+def encode_texts(tokenizer: object, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """`tokenizer(texts).input_ids`, through the Rust tokenizer's batch call when nothing of `transformers` acts
+    between (a fast tokenizer with no truncation or padding set): the same ids, a third of the time (100k addition
+    prompts: 0.65 s against 2.3 s), which every rank of every run pays at start."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return tokenizer(texts, add_special_tokens=add_special_tokens).input_ids
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+
+
 def prepare_run(args: LLMArgs) -> LLMRun:
     """Seeds and deterministic kernels (their environment flags must exist before any engine or CUDA starts), the
     process group, the checkpoint to resume from (checked against `args`), tokenizer, task, encoded prompts and EOS
@@ -147,8 +158,8 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     templated = task.chat_template and bool(getattr(tokenizer, "chat_template", None))
 
     def encode(examples: list[Example]) -> list[list[int]]:
-        texts = [task.format_prompt(tokenizer, example) for example in examples]
-        return tokenizer(texts, add_special_tokens=not templated).input_ids
+        return encode_texts(tokenizer, [task.format_prompt(tokenizer, example) for example in examples],
+                            add_special_tokens=not templated)
 
     try:  # a chat template may refuse the task's messages (e.g. no system role), a user's format_prompt may raise
         train_ids, test_ids = encode(task.train), encode(task.test)
@@ -183,6 +194,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     if len(keep) < args.prompts_per_step:
         fail(f"only {len(keep)} training prompts fit --max-prompt-length {args.max_prompt_length}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    gc.freeze()  # the prompts live all run: no garbage collection walks them again (vLLM's start collects 6 times)
     layout = split_world(args.rollout_ranks, args.max_staleness) if args.rollout_ranks else None
     if layout is not None:
         rank, world_size = dist.get_rank(), dist.get_world_size()
