@@ -1,6 +1,10 @@
 """Two gloo ranks under torchrun meet where the scripts meet at a step's end: a stop signal that reached rank 1 only
 stops both; a checkpoint whose part fails on rank 1 only fails on both, its partial directory removed; a failed log
-write on rank 0 stops both with rank 0's message (exit 4). Each rank prints `SUMMARY {json}` before that end."""
+write on rank 0 stops both with rank 0's message (exit 4). Each rank writes what it saw to SUMMARIES/rank{N}.json
+before that end (a file each: two ranks printing to torchrun's one pipe at once can interleave their lines).
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/preemption_worker.py CHECKPOINTS SUMMARIES
+"""
 
 import errno
 import json
@@ -34,5 +38,5 @@ try:
 except CheckpointWriteFailed as error:
     summary["failed"] = str(error)
 summary["left"] = sorted(p.name for p in root.iterdir())
-print("SUMMARY " + json.dumps(summary), flush=True)
+(Path(sys.argv[2]) / f"rank{rank}.json").write_text(json.dumps(summary))
 step_boundary("rank 0 could not write its log" if rank == 0 else None)

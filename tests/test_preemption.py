@@ -116,9 +116,9 @@ def test_the_ranks_decide_together(tmp_path: Path):
     """A signal that reached rank 1 alone stops rank 0 too; a checkpoint part that failed on rank 1 alone fails the
     checkpoint on both (the partial directory gone, `latest` unchanged); rank 0's failed log write ends both ranks
     with its message and exit status 4."""
-    result = run_script("tests/preemption_worker.py", [str(tmp_path / "checkpoints")], nproc=2, timeout=120)
-    summaries = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
-                 if line.startswith("SUMMARY ")]
+    result = run_script("tests/preemption_worker.py", [str(tmp_path / "checkpoints"), str(tmp_path)], nproc=2,
+                        timeout=120)
+    summaries = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert len(summaries) == 2, result.stdout[-3000:] + result.stderr[-3000:]
     for summary in summaries:
         assert summary["before"] is None and summary["after"] == "SIGUSR1"
