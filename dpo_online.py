@@ -30,6 +30,7 @@ import tyro
 from common.distributed import Totals, fail, reduce_stats
 from common.llm.batching import micro_batches, mismatch_stats, split, token_logprobs
 from common.llm.lifecycle import check_llm_args, end_step, finish, prepare_run, start_training
+from common.llm.lora import adapters_disabled, lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, judge, sync_weights
 from common.llm.scoring import RewardModel, check_scalar_head
@@ -117,9 +118,10 @@ if __name__ == "__main__":
     run = prepare_run(args)  # seeds, process group, tokenizer, prompts, the checkpoint to resume from (PLUMBING)
     rank, world_size, device = run.rank, run.world_size, run.device
 
-    # --- models: the policy, the frozen reference (the run's starting model, also on resume), the judge ---
-    policy = load_model(args.model_name_or_path, args, device)
-    reference = load_model(args.model_name_or_path, args, device, trainable=False)
+    # --- models: the policy (with --lora-rank, adapters over a frozen base), the frozen reference (the run's starting
+    # model, also on resume; with LoRA the policy with its adapters switched off), the judge ---
+    policy = load_model(args.model_name_or_path, args, device, lora=lora_spec(args))
+    reference = policy if args.lora_rank else load_model(args.model_name_or_path, args, device, trainable=False)
     reward_model = RewardModel(args.reward_model, args, device) if args.reward_model else None
     optimizer, scheduler = make_optimizer(policy, args, args.learning_rate, args.total_steps)
     trained = {"policy": (policy, optimizer)}
@@ -166,7 +168,7 @@ if __name__ == "__main__":
         totals = Totals()
         for m, (batch, micro_preferred) in enumerate(zip(batches, preferred.to(device).split(
                 max(1, args.micro_batch_size // 2)))):
-            with torch.no_grad():  # the reference, no graph
+            with torch.no_grad(), adapters_disabled(reference):  # the reference, no graph
                 ref_logprobs = token_logprobs(reference, batch, 1.0)
             logprobs = token_logprobs(policy, batch, 1.0)
             loss = dpo_loss(sequence_logprobs(logprobs, batch.mask, args.loss_type),

@@ -38,6 +38,7 @@ from common.llm.attention import PACKED_ATTENTION, PADDED_ATTENTION
 from common.llm.balancing import balance_tokens
 from common.llm.batching import micro_batches, mismatch_stats, split, token_logprobs
 from common.llm.lifecycle import check_llm_args, end_step, finish, prepare_run, start_training
+from common.llm.lora import adapters_disabled, lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, sync_weights
 from common.llm.state import LLMArgs
@@ -269,12 +270,13 @@ if __name__ == "__main__":
     run = prepare_run(args)  # seeds, process group, tokenizer, prompts, the checkpoint to resume from (PLUMBING)
     rank, world_size, device = run.rank, run.world_size, run.device
 
-    # --- models: the policy and, with --beta > 0, the frozen reference (the run's starting model, also on resume)
+    # --- models: the policy (with --lora-rank, adapters over a frozen base) and, with --beta > 0, the frozen
+    # reference: the run's starting model (also on resume), with LoRA the policy with its adapters switched off
     # packed rows (--share-prompts) attend through FlexAttention's block mask on GPUs, through SDPA on CPU
     attention = PACKED_ATTENTION if args.share_prompts and device.type == "cuda" else PADDED_ATTENTION
-    policy = load_model(args.model_name_or_path, args, device, attn_implementation=attention)
-    reference = load_model(args.model_name_or_path, args, device, trainable=False, attn_implementation=attention) \
-        if args.beta > 0 else None
+    policy = load_model(args.model_name_or_path, args, device, attn_implementation=attention, lora=lora_spec(args))
+    reference = None if args.beta == 0 else policy if args.lora_rank else load_model(
+        args.model_name_or_path, args, device, trainable=False, attn_implementation=attention)
     updates = args.num_iterations * args.num_minibatches  # optimizer steps per batch of rollouts
     optimizer, scheduler = make_optimizer(policy, args, args.learning_rate, args.total_steps * updates)
     trained = {"policy": (policy, optimizer)}
@@ -330,7 +332,8 @@ if __name__ == "__main__":
         advantages = [advantages[list(piece), None].to(device) for piece in pieces]  # no copy in the loop: no host sync
         with torch.no_grad():  # pi_old (with mu k > 1: before the first of the updates) and pi_ref, once per batch
             old_logprobs = [token_logprobs(policy, b, args.temperature) if updates > 1 else None for b in batches]
-            ref_logprobs = [token_logprobs(reference, b, args.temperature) if reference else None for b in batches]
+            with adapters_disabled(reference):
+                ref_logprobs = [token_logprobs(reference, b, args.temperature) if reference else None for b in batches]
         totals, grad_norm = Totals(), 0.0  # the norm logged is the mean over the updates, as PPO's
         minibatch_sequences = num_sequences // args.num_minibatches
         for _ in range(args.num_iterations):  # mu passes over the batch

@@ -43,6 +43,7 @@ from common.llm.batching import (
 )
 from common.llm.engines import sample_seed
 from common.llm.lifecycle import check_llm_args, end_step, finish, prepare_run, start_training
+from common.llm.lora import adapters_disabled, lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, judge, sync_weights
 from common.llm.scoring import RewardModel, check_scalar_head
@@ -90,6 +91,9 @@ class Args(LLMArgs):
     value_learning_rate: Annotated[float, tyro.conf.arg(aliases=("--critic-learning-rate",))] = 1e-3
     """AdamW peak learning rate of the value model (its scalar head starts from scratch; 1e-5 for
     Qwen2.5-0.5B-Instruct; --learning-rate is the policy's, 1e-6 there, see benchmarks/README.md)"""
+    value_lora_rank: int = 0
+    """r > 0: the value model trains LoRA adapters of this rank (--lora-alpha, --lora-target-modules) and its
+    scalar head, over a frozen body; 0: all of it trains"""
     tis_cap: float = 2.0
     """truncated importance sampling: weight tokens by min(pi_old / pi_rollout, cap); 0 turns it off"""
     seq_mask_cap: float = 0.0
@@ -120,6 +124,8 @@ def check_args(args: Args, world_size: int) -> None:
         fail("--target-kl needs positive --target-kl, --beta (the controller multiplies it) and --kl-horizon")
     if not args.value_learning_rate > 0:
         fail(f"--value-learning-rate must be positive, got {args.value_learning_rate}")
+    if args.value_lora_rank < 0:
+        fail(f"--value-lora-rank must be non-negative, got {args.value_lora_rank}")
     check_models(args)
 
 
@@ -293,10 +299,14 @@ if __name__ == "__main__":
     run = prepare_run(args)  # seeds, process group, tokenizer, prompts, the checkpoint to resume from (PLUMBING)
     rank, world_size, device = run.rank, run.world_size, run.device
 
-    # --- models: policy, value model, frozen reference (the run's starting model, also on resume), judge ---
-    policy = load_model(args.model_name_or_path, args, device)
-    value_model = load_model(args.value_model or args.model_name_or_path, args, device, model_class=ValueModel)
-    reference = load_model(args.model_name_or_path, args, device, trainable=False) if args.beta > 0 else None
+    # --- models: policy, value model (each with --lora-rank / --value-lora-rank adapters over a frozen base; the value
+    # head always trains), frozen reference (the run's starting model, also on resume; with LoRA the policy with its
+    # adapters switched off), judge ---
+    policy = load_model(args.model_name_or_path, args, device, lora=lora_spec(args))
+    value_model = load_model(args.value_model or args.model_name_or_path, args, device, model_class=ValueModel,
+                             lora=lora_spec(args, args.value_lora_rank, "value"), keep_trainable=("score",))
+    reference = None if args.beta == 0 else policy if args.lora_rank else load_model(
+        args.model_name_or_path, args, device, trainable=False)
     reward_model = RewardModel(args.reward_model, args, device) if args.reward_model else None
     updates_per_step = args.ppo_epochs * args.num_minibatches
     optimizer, scheduler = make_optimizer(policy, args, args.learning_rate, args.total_steps * updates_per_step)
@@ -338,7 +348,8 @@ if __name__ == "__main__":
                 old_logprobs[at], entropy[at] = token_logprobs(policy, batch, args.temperature, with_entropy=True)
                 old_values[at] = predicted_values(value_model, batch)
                 if reference is not None:
-                    ref_logprobs[at] = token_logprobs(reference, batch, args.temperature)
+                    with adapters_disabled(reference):
+                        ref_logprobs[at] = token_logprobs(reference, batch, args.temperature)
         kl = (old_logprobs - ref_logprobs) * mask if reference is not None else torch.zeros_like(mask)  # k1
 
         # --- rewards, GAE, and this step's minibatches: the same shuffle on every rank ---

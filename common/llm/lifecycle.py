@@ -40,6 +40,7 @@ from common.llm.kernels import (
     reroute_composite_autograd,
 )
 from common.llm.layout import RemoteRollouts, split_world
+from common.llm.lora import VLLM_MAX_LORA_RANKS, base_fingerprint, meta_model, serves_adapters, targets_problem
 from common.llm.models import final_parameter_hash, fsdp_shard_size
 from common.llm.rollouts import serve_rollouts, start_engine, sync_weights
 from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, checkpoint_due, evaluation_due
@@ -99,6 +100,15 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
     path = args.model_name_or_path
     if not os.path.isdir(path) and (os.path.exists(path) or path.startswith(("/", "./", "../"))):
         fail(f"--model-name-or-path {path!r} is not a model directory")
+    if args.lora_rank < 0 or (args.lora_rank and not args.lora_alpha > 0):
+        fail(f"--lora-rank must be non-negative and --lora-alpha positive, got {args.lora_rank} and {args.lora_alpha}")
+    if (args.lora_merge or args.export_merged) and not args.lora_rank:
+        fail("--lora-merge and --export-merged merge LoRA adapters: they need --lora-rank")
+    if args.lora_rank > VLLM_MAX_LORA_RANKS[-1] and not args.lora_merge and engine_kind(args.rollout_engine) == "vllm":
+        fail(f"--lora-rank {args.lora_rank}: vLLM serves adapters up to rank {VLLM_MAX_LORA_RANKS[-1]} (its "
+             f"max_lora_rank takes {', '.join(map(str, VLLM_MAX_LORA_RANKS))}); use a smaller rank or --lora-merge")
+    if args.lora_rank and (problem := targets_problem(None, tuple(args.lora_target_modules))):
+        fail(problem)
 
 
 def eos_token_ids(model_path: str, tokenizer: object) -> list[int]:
@@ -143,6 +153,8 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     try:
         AutoConfig.from_pretrained(args.model_name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+        if args.lora_rank:  # the targets against the model's own layers, from its config alone
+            problem = targets_problem(meta_model(args.model_name_or_path), tuple(args.lora_target_modules))
     except (OSError, ValueError) as error:
         problem = f"cannot load model {args.model_name_or_path!r}: {error}"
     try:
@@ -198,9 +210,12 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     layout = split_world(args.rollout_ranks, args.max_staleness) if args.rollout_ranks else None
     if layout is not None:
         rank, world_size = dist.get_rank(), dist.get_world_size()
+    saves = dist.get_rank() == 0 and not (layout and layout.is_rollout)  # trainer 0 writes trainer_state.pt
+    lora_base = {"path": args.model_name_or_path, "sha256": base_fingerprint(args.model_name_or_path)} \
+        if args.lora_rank and saves else None  # what a LoRA checkpoint's adapters belong to
     run = LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
                  [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in test_ids],
-                 eos_ids, templated, pad_id, resume_dir, resume_state, layout)
+                 eos_ids, templated, pad_id, resume_dir, resume_state, layout, lora_base)
     if layout is not None and layout.is_rollout:
         serve_rollouts(run)
         sys.exit(0)
@@ -219,7 +234,7 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
         engine = start_engine(run)
     else:  # the rollout ranks' engines, behind the schedule; with S = 1 the checkpoint holds the batch in flight
         engine = RemoteRollouts(run.layout, args.prompts_per_step * args.num_generations, args.total_steps,
-                                run.resume_state.get("in_flight") if start_step else None)
+                                run.resume_state.get("in_flight") if start_step else None, serves_adapters(args))
         engine_kernels_without_engine(run.device.type, args.rollout_engine)  # a colocated trainer's kernels
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
     rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
@@ -288,7 +303,8 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
         started = time.time()
         try:
             saved, failure = save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer,
-                                                      args, extra, getattr(engine, "in_flight", None)), None
+                                                      args, extra, getattr(engine, "in_flight", None),
+                                                      run.lora_base), None
         except CheckpointWriteFailed as error:
             saved, failure = None, str(error)
         step_boundary(failure, group, engine.close)  # every rank, the rollout ranks too, learns how it went

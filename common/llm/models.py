@@ -6,7 +6,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from common.llm.attention import (
     register_packed_attention,
     register_padded_attention,
 )
+from common.llm.lora import LoRASpec, apply_lora, lora_scales, merged_weights
 from common.llm.state import LLMArgs
 
 EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model
@@ -31,7 +32,8 @@ _meshes: dict[tuple[object, str, int], DeviceMesh] = {}
 
 
 def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool = True, model_class: object = None,
-               attn_implementation: str = PADDED_ATTENTION) -> torch.nn.Module:
+               attn_implementation: str = PADDED_ATTENTION, lora: LoRASpec | None = None,
+               keep_trainable: tuple[str, ...] = ()) -> torch.nn.Module:
     """A HF model sharded with FSDP2 per transformer block (the classes in the model's `_no_split_modules`, e.g.
     Qwen2DecoderLayer) and at the root, computing in `args.dtype` and reducing gradients in float32. Trained models
     keep float32 master weights; frozen ones (reference, reward model) hold their weights in `args.dtype`.
@@ -45,7 +47,11 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     per node and a transient 30 GB on every GPU. Buffers (rotary tables) come from rank 0's copy too, so all ranks and
     today's plain `from_pretrained` agree bit for bit. With `args.gradient_checkpointing` a trained model's blocks
     keep only their inputs for backward and recompute the rest. Exports store the checkpoint's own dtype
-    (`config.dtype`; `args.dtype` when the checkpoint names none)."""
+    (`config.dtype`; `args.dtype` when the checkpoint names none).
+
+    With `lora` (common/llm/lora.py) the targeted linear layers get adapters, which alone train (with the modules
+    named in `keep_trainable`, e.g. a value head): rank 0 draws them on its full copy, so every rank receives the same
+    start at any world size, and the frozen base is held in `args.dtype` like a frozen model's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -64,6 +70,8 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
         try:
             source = (model_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32,
                                                                             attn_implementation=attn_implementation)
+            if lora is not None:
+                apply_lora(source, lora, keep_trainable)
             shape = (type(source), source.config, getattr(source, "generation_config", None),
                      text_config.dtype or compute_dtype)
         except Exception as error:  # a damaged or incomplete checkpoint raises many types
@@ -74,6 +82,8 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     model_type, config, generation_config, export_dtype = shape
     with torch.device("meta"):
         model = model_type._from_config(config, dtype=torch.float32)
+    if lora is not None:
+        apply_lora(model, lora, keep_trainable)
     model.config.dtype = export_dtype  # what export_pretrained writes (building set it to the masters' float32)
     if generation_config is not None:  # the checkpoint's (e.g. both EOS ids), not one derived from the config
         model.generation_config = generation_config
@@ -86,8 +96,6 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
             buffer.copy_(source_buffers[name])
         dist.broadcast(buffer, src=0)
     model.eval()  # no dropout anywhere: the engine and the reference have none
-    if not trainable:
-        model.requires_grad_(False)
     return model
 
 
@@ -130,8 +138,10 @@ def shard_model(model: torch.nn.Module, args: LLMArgs, device: torch.device, tra
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     compute_dtype = getattr(torch, args.dtype)
-    if not trainable:  # frozen: half the memory in bfloat16; buffers stay float32 as built
-        for parameter in model.parameters():
+    if not trainable:
+        model.requires_grad_(False)
+    for parameter in model.parameters():  # frozen (a reference, a LoRA base): half the memory in bfloat16; buffers
+        if not parameter.requires_grad:  # stay float32 as built
             parameter.data = parameter.data.to(compute_dtype)
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
@@ -169,8 +179,10 @@ def learning_rate_factor(update: int, warmup_steps: int, total_updates: int, sch
 
 def make_optimizer(model: torch.nn.Module, args: LLMArgs, learning_rate: float, total_updates: int
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the model's shards (foreach: one op per step for all of them) and the warm-up + decay schedule."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=args.weight_decay, foreach=True)
+    """AdamW over the shards of the model's trained parameters (all of them; with LoRA, the adapters) (foreach: one
+    op per step for all of them) and the warm-up + decay schedule."""
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=args.weight_decay, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: learning_rate_factor(
         update, args.warmup_steps, total_updates, args.lr_schedule))
     return optimizer, scheduler
@@ -198,7 +210,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     non-finite norm (the same on every rank) stops the run before the weights change. Returns norm and rate used."""
     from torch.distributed.fsdp import FSDPModule
 
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     if not math.isfinite(grad_norm):
         fail(f"non-finite gradient at step {step} (grad norm {grad_norm}); the last checkpoint is left as it was")
@@ -212,9 +224,10 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return grad_norm, learning_rate
 
 
-def stream_weights(model: torch.nn.Module, dtype: torch.dtype, tied_aliases: bool = True
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's full tensors in `dtype`, in named_parameters' order (a collective: every rank iterates to the end).
+def stream_weights(model: torch.nn.Module, dtype: torch.dtype, tied_aliases: bool = True,
+                   only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full tensors in `dtype`, in named_parameters' order (a collective: every rank iterates to the end),
+    or those whose names `only` accepts (a LoRA model's adapters).
     Parameters go in buckets of about SYNC_BUCKET_BYTES (full tensors in `dtype`), and each bucket is gathered in ONE
     all-gather over the shard group (see _gather_bucket), so the collectives per sync are the buckets, however many
     tensors there are. A tied tensor is gathered once and, with `tied_aliases`, yielded under its other names right
@@ -233,7 +246,8 @@ def stream_weights(model: torch.nn.Module, dtype: torch.dtype, tied_aliases: boo
     aliases: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(parameter), []).append(name)
-    for bucket in _weight_buckets(list(model.named_parameters()), dtype):
+    parameters = [(name, parameter) for name, parameter in model.named_parameters() if only is None or only(name)]
+    for bucket in _weight_buckets(parameters, dtype):
         for (name, parameter), tensor in zip(bucket, _gather_bucket([parameter for _, parameter in bucket], dtype)):
             for alias in aliases[id(parameter)] if tied_aliases else [name]:
                 yield alias, tensor
@@ -291,10 +305,13 @@ def final_parameter_hash(model: torch.nn.Module) -> str:
     """parameter_hash(model) of an FSDP2 model, computed by rank 0 alone and sent to the others: each tensor is
     gathered within rank 0's shard group, one at a time, and the other shard groups (HSDP's other nodes, whose
     replicas hold the same shards) gather nothing. DTensor.full_tensor() on every rank would gather the whole
-    float32 model into every rank and each would copy it to the host and hash it: at 7B, 30.5 GB per rank."""
+    float32 model into every rank and each would copy it to the host and hash it: at 7B, 30.5 GB per rank. Frozen
+    parameters (a LoRA model's base, named by its fingerprint instead) are left out: the hash is of what trained."""
     from torch.distributed.tensor import DTensor
 
-    state = model.state_dict()
+    frozen = {name for name, parameter in model.named_parameters(remove_duplicate=False)
+              if not parameter.requires_grad}
+    state = {name: tensor for name, tensor in model.state_dict().items() if name not in frozen}
     sharded = [tensor for tensor in state.values() if isinstance(tensor, DTensor)]
     group = sharded[0].device_mesh.get_group(sharded[0].device_mesh.ndim - 1) if sharded else None
     gathered = ((name, _gather_shards([state[name].detach()], state[name].dtype)[0]
@@ -309,11 +326,12 @@ def final_parameter_hash(model: torch.nn.Module) -> str:
     return box[0]
 
 
-def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path) -> None:
+def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path, merge_lora: bool = False) -> None:
     """`save_pretrained`'s layout (config, safetensors shards, index, tokenizer) from a streamed gather: rank 0
     holds at most one shard file's worth of tensors; weights are stored in the config's dtype. Every rank calls it.
     A write that fails on rank 0 (a full disk) is raised only after the stream ends, since the stream's gathers are
-    collectives the other ranks are in."""
+    collectives the other ranks are in. A LoRA model is written merged (`merge_lora`: its adapters folded in, in
+    float32, rounded once to the config's dtype)."""
     from safetensors.torch import save_file
 
     config = model.config
@@ -328,7 +346,9 @@ def export_pretrained(model: torch.nn.Module, tokenizer: object, directory: Path
         files.append((name, list(shard)))
         shard, shard_bytes = {}, 0
 
-    for name, tensor in stream_weights(model, dtype, tied_aliases=False):
+    weights = merged_weights(stream_weights(model, torch.float32, tied_aliases=False), lora_scales(model), dtype) \
+        if merge_lora else stream_weights(model, dtype, tied_aliases=False)
+    for name, tensor in weights:
         if is_writer and failed is None:
             shard[name] = tensor.cpu().contiguous()
             shard_bytes += tensor.numel() * tensor.element_size()

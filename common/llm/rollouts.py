@@ -16,6 +16,7 @@ from common.llm.engines import FakeEngine, make_engine, sample_seed
 from common.llm.episodes import episode_sums, is_multi_turn, run_episodes, score_samples
 from common.llm.evaluation import evaluate
 from common.llm.layout import RemoteRollouts, receive_weights, send_evaluation, send_samples
+from common.llm.lora import is_adapter, lora_layers, lora_scales, lora_spec, merged_weights, serves_adapters
 from common.llm.models import stream_weights
 from common.llm.scoring import RewardModel, decode_completion
 from common.llm.state import LLMRun, Rollout, Sample, checkpoint_due, evaluation_due
@@ -33,7 +34,7 @@ def start_engine(run: LLMRun) -> object:
         return FakeEngine(len(run.tokenizer), args.fake_tau0_s, args.fake_median_length, args.fake_length_sigma)
     engine = make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
                          run.device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization,
-                         colocated=run.layout is None)
+                         colocated=run.layout is None, lora=lora_spec(args) if serves_adapters(args) else None)
     run_before_leaving(engine.close)  # a run stopped by `fail` shuts its engine down while the group exists
     return engine
 
@@ -195,7 +196,8 @@ def judge(reward_model: RewardModel | None, rollout: Rollout) -> torch.Tensor:
 
 
 def sync_weights(engine: object, policy: torch.nn.Module, dtype: str, rollout: Rollout | None = None) -> float:
-    """Stream the policy's full weights from the FSDP shards into the rollout engine, in the rollout dtype. Returns
+    """Stream the policy's full weights from the FSDP shards into the rollout engine, in the rollout dtype; a LoRA
+    policy's adapters alone to an engine that serves them, its merged weights to any other. Returns
     the seconds it took; with `rollout`, adds its two parts to the step's timings: gathering (the generator's own
     time: casts, collectives, slicing) and reloading (the engine's; split layout: the broadcast to the rollout ranks
     and their reload). Split layout with --max-staleness 1: the next batch is received first, in the schedule's
@@ -214,7 +216,14 @@ def sync_weights(engine: object, policy: torch.nn.Module, dtype: str, rollout: R
                 return
             yield item
 
-    engine.update_weights(timed(stream_weights(policy, getattr(torch, dtype))))
+    rollout_dtype = getattr(torch, dtype)
+    if getattr(engine, "serves_adapters", False):
+        engine.update_adapter(timed(stream_weights(policy, rollout_dtype, only=is_adapter)))
+    elif lora_layers(policy):
+        engine.update_weights(timed(merged_weights(stream_weights(policy, torch.float32), lora_scales(policy),
+                                                   rollout_dtype)))
+    else:
+        engine.update_weights(timed(stream_weights(policy, rollout_dtype)))
     seconds = time.time() - started
     if rollout is not None:
         rollout.timings.update(sync_gather_s=gathering, sync_reload_s=seconds - gathering, synced_at=time.time())
@@ -250,8 +259,9 @@ def serve_rollouts(run: LLMRun) -> None:
                  [float(score) for score in scores], [float(right) for right in correct], version, timings,
                  rows.indices if args.dynamic_sampling_rounds else None)
 
-    def load_weights() -> None:
-        transfer(lambda: engine.update_weights(receive_weights(layout, run.device)))
+    def load_weights() -> None:  # the adapters alone, or whole weights, as the trainers send them
+        update = engine.update_adapter if getattr(engine, "serves_adapters", False) else engine.update_weights
+        transfer(lambda: update(receive_weights(layout, run.device)))
 
     if start_step:
         load_weights()

@@ -14,6 +14,8 @@ import tyro
 from common.preemption import DEFAULT_STOP_SIGNALS
 from tasks import TASK_HELP, Example, Task
 
+# LoRA's default targets: every attention and MLP projection of a Llama/Qwen-style block
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EMBEDDED_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "tiny-adder")
 
 
@@ -40,6 +42,15 @@ class LLMArgs:
     temperature: float = 1.0  # sampling temperature; logprobs (rollout and trainer) are taken after it
     dynamic_sampling_rounds: int = 0  # GRPO, DAPO's dynamic sampling: drop the groups whose G scores are all equal
     # (no advantage) and refill the batch with further prompts, in at most this many extra rounds; 0: off
+    # --- LoRA (common/llm/lora.py) ---
+    lora_rank: int = 0  # r > 0: train low-rank adapters on the policy instead of its weights; 0: full fine-tuning.
+    # LoRA wants about 10x the full fine-tuning learning rate (tinker-cookbook's get_lora_lr_over_full_finetune_lr
+    # returns 10; verl's LoRA docs say "an order of magnitude"): raise --learning-rate with it
+    lora_alpha: float = 16.0  # the adapters' update is scaled by alpha / r
+    lora_target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS  # the linear layers adapted (by their names' last part)
+    lora_merge: bool = False  # give the engine merged weights (float32 merge into a copy, rounded once) instead of
+    # the adapters: decode runs at the base model's speed, and each sync moves the whole model
+    export_merged: bool = False  # a LoRA checkpoint also exports the merged model (merged/), loadable without PEFT
     # --- optimizer ---
     learning_rate: float = 3e-4  # AdamW peak learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -85,7 +96,7 @@ class LLMArgs:
 MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "eval_every",
                         "num_eval_prompts", "eval_samples", "eval_temperature", "save_every", "keep_last",
                         "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization", "allow_unisolated_tools",
-                        "stop_signals")
+                        "stop_signals", "export_merged")
 
 
 def checkpoint_due(args: LLMArgs, step: int) -> bool:
@@ -123,6 +134,7 @@ class LLMRun:
     resume_dir: Path | None
     resume_state: dict | None  # trainer_state.pt as this rank needs it: step, args, world size, extra, its RNG states
     layout: Layout | None  # the split layout's groups (--rollout-ranks); rank and world_size are then this side's
+    lora_base: dict | None = None  # rank 0, with --lora-rank: the base model's path and weights fingerprint
 
 
 @dataclass

