@@ -156,15 +156,17 @@ def environment_of(task: Task) -> Environment | None:
     return environment
 
 
-def check_tools(task: Task, allow_unisolated: bool, hidden: list[str]) -> str | None:
+def check_tools(task: Task, allow_unisolated: bool) -> str | None:
     """Why the task's sandboxed tools (those with a `sandbox`, tasks/sandbox.py) cannot start on this platform, or
-    None: a tool that runs model-written code refuses to start without isolation unless the user opts out. The run's
-    own files (`hidden`: its run root, the checkpoint it resumes) are hidden from the sandbox first."""
+    None: a tool that runs model-written code refuses to start without isolation unless the user opts out."""
     for tool in task.tools:
         sandbox = getattr(tool, "sandbox", None)
-        if sandbox is not None:
-            sandbox.hide(*hidden)
         problem = sandbox.check(allow_unisolated) if sandbox is not None else None
         if problem:
             return f"tool {tool.__name__!r}: {problem}"
     return None
+
+
+def sandbox_descriptions(task: Task) -> dict[str, str]:
+    """What each sandboxed tool's calls get here (isolation, memory bound), for the log and the manifest."""
+    return {tool.__name__: tool.sandbox.describe() for tool in task.tools if getattr(tool, "sandbox", None)}

@@ -1,27 +1,48 @@
 """tasks/sandbox.py against the code a model writes by accident or on purpose: each hostile program must end within
 its limit, the reply must say what happened, nothing may outlive the call, and the next call must work. Small limits
 (CPU 1 s, wall clock 2-3 s) keep the file fast; the tests that need namespaces skip where they are unavailable, and
-a negative control shows each check would catch a leak."""
+a negative control shows each check would catch a leak. The tests run as the trainer does here (root in CI: the code
+runs as nobody); a non-root trainer's path is the same code with the user namespace taken first."""
 
+import ctypes
 import os
+import signal
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tasks.sandbox import REPO, STATUSES, Sandbox, SandboxResult, python
+from tasks.sandbox import CONFINEMENT, REPO, STATUSES, Sandbox, SandboxResult, _read_report, find_cgroup, python
 
 PROBLEM = Sandbox().isolation_problem()
 needs_namespaces = pytest.mark.skipif(PROBLEM is not None, reason=f"no namespaces here: {PROBLEM}")
+needs_cgroup = pytest.mark.skipif(find_cgroup()[0] is None, reason="no usable cgroup here (v1 as root, or "
+                                  "$RL_SANDBOX_CGROUP)")
+on_x86_64 = pytest.mark.skipif(os.uname().machine != "x86_64", reason="system call numbers of x86-64")
+OPENED: list[Sandbox] = []
+
+
+@pytest.fixture(autouse=True)
+def close_sandboxes():
+    """Each test's sandboxes stop their pre-started monitors at its end: no process of one test is seen by the next."""
+    yield
+    while OPENED:
+        OPENED.pop().close()
+    python.sandbox.close()
 
 
 def small(**overrides) -> Sandbox:
-    return Sandbox(**{"cpu_seconds": 1, "wall_seconds": 3.0, "max_processes": 8, "memory_bytes": 256 * 2**20,
-                      **overrides})
+    sandbox = Sandbox(**{"cpu_seconds": 1, "wall_seconds": 3.0, "max_processes": 8, "memory_bytes": 256 * 2**20,
+                         **overrides})
+    OPENED.append(sandbox)
+    return sandbox
 
 
 def timed(sandbox: Sandbox, code: str) -> tuple[SandboxResult, float]:
@@ -106,14 +127,15 @@ def test_sleep_hits_wall_clock():
 
 
 @needs_namespaces
-def test_fork_bomb_is_bounded_and_leaves_nothing(tmp_path):
-    marker = str(tmp_path / uuid.uuid4().hex)  # in the child's command line (its hidden paths): finds leftovers
-    sandbox = small(hidden_paths=(marker,))
+def test_fork_bomb_is_bounded_and_leaves_nothing():
+    sandbox = small()
     result, elapsed = timed(sandbox, "import os\nwhile True: os.fork()")
     assert elapsed < 3.5
     assert result.status in ("error", "timeout") and "Resource temporarily unavailable" in result.output
-    assert processes_with(marker) == []
     still_works(sandbox)
+    sandbox.close()  # the pre-started monitor goes too: every process of confinement.py must be gone
+    time.sleep(0.1)
+    assert processes_with(CONFINEMENT) == []
 
 
 @needs_namespaces
@@ -160,22 +182,42 @@ def test_setsid_and_background_escapes_die_with_the_call():
 
 
 @needs_namespaces
-def test_hidden_paths_cannot_be_read(shared_dir):
+def test_only_the_allow_list_is_visible(shared_dir):
     secret = Path(shared_dir, "secret.txt")
     secret.write_text("the run's secret")
     secret.chmod(0o644)
     reader = f"print(open({str(secret)!r}).read())"
-    visible = timed(small(hidden_paths=()), reader)[0]
-    assert visible.output == "the run's secret\n"  # negative control: readable when not hidden
-    for hidden in [(shared_dir,), (str(secret),)]:  # a hidden directory, a hidden file
-        result = timed(small(hidden_paths=hidden), reader)[0]
-        assert "the run's secret" not in result.text
-    result = timed(small(), f"print(open({os.path.join(REPO, 'README.md')!r}).read())")[0]
-    assert result.status == "error" and "FileNotFoundError" in result.output  # the repository is hidden by default
-    result = timed(small(), "import os\nprint(os.listdir('/tmp'), sorted(int(p) for p in os.listdir('/proc')"
-                            " if p.isdigit()))")[0]
-    assert shared_dir not in result.output and result.output.endswith(" [1, 2]\n")  # /tmp hidden; /proc shows only
-    # the sandbox's init and the code
+    visible = timed(small(read_only_paths=(shared_dir,)), reader)[0]
+    assert visible.output == "the run's secret\n"  # negative control: readable when allowed
+    result = timed(small(), reader)[0]
+    assert result.status == "error" and "FileNotFoundError" in result.output
+    for path in [os.path.join(REPO, "README.md"), "/etc/hostname", "/opt", "/var", "/home", "/sys/kernel"]:
+        result = timed(small(), f"import os\nprint(os.path.exists({path!r}))")[0]
+        assert result.output == "False\n", path
+    result = timed(small(), "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+                            "print(open('/proc/self/mountinfo').read())")[0]
+    lines = result.output.splitlines()
+    assert lines and lines[0] == "[1, 2]", result  # /proc shows only the sandbox's init and the code
+    mount_points = {line.split()[4] for line in lines[1:] if line}
+    allowed = {"/", "/proc", "/work", "/dev/shm", "/etc/ld.so.cache", "/etc/localtime", "/usr"} | \
+        {f"/dev/{name}" for name in ("null", "zero", "full", "random", "urandom")} | \
+        {os.path.realpath(sys.base_prefix)}
+    assert mount_points <= allowed and "/usr" in mount_points, mount_points - allowed
+
+
+@needs_namespaces
+def test_a_unix_socket_at_a_host_path_is_unreachable(shared_dir):
+    path = os.path.join(shared_dir, "service.sock")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        os.chmod(path, 0o777)
+        listener.listen(1)
+        connect = f"import socket\nsocket.socket(socket.AF_UNIX).connect({path!r})\nprint('connected')"
+        assert timed(small(read_only_paths=(shared_dir,)), connect)[0].output == "connected\n"  # negative control
+        listener.accept()[0].close()
+        result = timed(small(), connect)[0]
+        assert result.status == "error" and "FileNotFoundError" in result.output
+    os.unlink(path)
 
 
 @needs_namespaces
@@ -186,11 +228,11 @@ def test_cannot_write_outside_its_directory(shared_dir):
     unisolated = small(isolated=False)
     assert timed(unisolated, writer.format(str(target)))[0].output == "wrote\n"  # negative control
     target.unlink()
-    for sandbox in [small(hidden_paths=(shared_dir,)), small(hidden_paths=())]:  # hidden; visible but read-only
-        result = timed(sandbox, writer.format(str(target)))[0]
-        assert result.status == "error" and "Read-only file system" in result.output and not target.exists()
-    result = timed(small(), writer.format(str(in_repo)))[0]
-    assert result.status == "error" and not in_repo.exists()
+    result = timed(small(read_only_paths=(shared_dir,)), writer.format(str(target)))[0]  # visible, read-only
+    assert result.status == "error" and "Read-only file system" in result.output and not target.exists()
+    for path in [target, in_repo, Path("/etc/passwd"), Path("/usr/sandbox-probe")]:
+        result = timed(small(), writer.format(str(path)))[0]
+        assert result.status == "error" and not (path != Path("/etc/passwd") and path.exists())
     # Its own directory is writable, within max_file_bytes and max_disk_bytes.
     result = timed(small(), "open('a', 'w').write('x' * 1000)\nopen('b', 'w').write('x' * 2**21)")[0]
     assert result.status == "error" and "File too large" in result.output
@@ -228,6 +270,8 @@ def test_no_capabilities_to_undo_the_isolation():
             " libc.unshare(0x10000000), libc.unshare(0x40000000))")
     result = timed(small(), code)[0]
     assert result.output == "['0000000000000000', '0000000000000000']\n-1 -1 -1 -1\n"
+    result = timed(small(), "import os\nprint(os.getuid() if os.getuid() else 'root')")[0]
+    assert result.output == f"{65534 if os.geteuid() == 0 else os.geteuid()}\n"  # never root
 
 
 def test_refusal_without_namespaces():
@@ -253,3 +297,190 @@ def test_refusal_without_namespaces():
 def test_check_passes_here():
     sandbox = Sandbox()
     assert sandbox.check(allow_unisolated=False) is None and sandbox.isolated
+
+
+@needs_namespaces
+@needs_cgroup
+def test_memory_spread_over_processes_is_bounded_in_total():
+    """Each of four processes stays under the per-process limit; together they pass the call's total: the cgroup
+    stops them, status memory. The host keeps its memory."""
+    spread = ("import os, time\nfor i in range(4):\n    if os.fork() == 0:\n        x = bytearray(150 * 2**20)\n"
+              "        time.sleep(3)\n        os._exit(0)\nfor i in range(4):\n    os.wait()\nprint('all held')")
+    result, elapsed = timed(small(wall_seconds=8.0, cpu_seconds=5), spread)
+    assert result.status == "memory" and "[memory limit 256 MiB]" in result.text and elapsed < 8
+    control = small(memory_bytes=1024 * 2**20, wall_seconds=8.0, cpu_seconds=5)
+    assert timed(control, spread)[0].output == "all held\n"  # negative control: under a larger bound they all live
+
+
+@needs_namespaces
+def test_memory_no_rlimit_counts_is_closed():
+    """SysV shared memory and message queues, POSIX message queues and memfd hold memory outside the address-space
+    limit: the filter denies them; POSIX shared memory lives in a /dev/shm of 1 MiB."""
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.shmget(0, 2**30, 0o1600), ctypes.get_errno())\n"  # IPC_PRIVATE, IPC_CREAT | 0600
+            "print(libc.msgget(0, 0o1600), ctypes.get_errno())\n"
+            "print(libc.mq_open(b'/q', 0o100 | 2, 0o600, None), ctypes.get_errno())\n"
+            "try:\n    os.memfd_create('m')\nexcept OSError as error:\n    print(error.errno)\n"
+            "from multiprocessing import shared_memory\n"
+            "try:\n    block = shared_memory.SharedMemory(create=True, size=2**30)\n    block.buf[:] = b'x' * 2**30\n"
+            "except (OSError, ValueError, MemoryError) as error:\n    print(type(error).__name__)")
+    result = timed(small(), code)[0]
+    lines = result.output.splitlines()
+    assert lines[:4] == ["-1 1", "-1 1", "-1 1", "1"], result.text
+    assert result.status in ("error", "killed", "memory", "ok") and "all" not in result.output
+
+
+@needs_namespaces
+def test_memfd_is_allowed_without_the_filter():
+    """Negative control of the filter: the same call without it creates the memfd."""
+    assert timed(small(seccomp=False), "import os\nprint(os.memfd_create('m') > 2)")[0].output == "True\n"
+
+
+@needs_namespaces
+@on_x86_64
+def test_keyring_of_the_trainer_is_not_the_codes():
+    libc = ctypes.CDLL(None, use_errno=True)
+    secret = f"secret-{uuid.uuid4().hex}"
+    description = f"rl-sandbox-test-{uuid.uuid4().hex[:8]}"
+    serial = libc.syscall(248, b"user", description.encode(), secret.encode(), len(secret), -3)  # add_key, session
+    assert serial > 0, ctypes.get_errno()
+    code = (f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuffer = ctypes.create_string_buffer(256)\n"
+            f"print(libc.syscall(250, 11, {serial}, buffer, 256), ctypes.get_errno())\n"  # KEYCTL_READ
+            f"print(libc.syscall(248, b'user', b'left', b'x', 1, -3), ctypes.get_errno())\n"
+            f"import os\nprint(os.path.exists('/proc/keys') and {description!r} in open('/proc/keys').read())")
+    result = timed(small(), code)[0]
+    assert result.output == "-1 1\n-1 1\nFalse\n" and secret not in result.text
+    libc.syscall(250, 21, serial)  # KEYCTL_INVALIDATE
+
+
+@needs_namespaces
+@on_x86_64
+def test_denied_system_calls_get_eperm():
+    calls = {"io_uring_setup": "425, 8, buffer", "perf_event_open": "298, buffer, 0, -1, -1, 0",
+             "userfaultfd": "323, 1", "bpf": "321, 0, buffer, 64", "ptrace attach to init": "101, 16, 1, 0, 0",
+             "process_vm_readv": "310, 1, 0, 0, 0, 0, 0", "pidfd_getfd": "438, pidfd, 3, 0",
+             "socket AF_VSOCK": "41, 40, 1, 0", "socket AF_NETLINK": "41, 16, 3, 0", "unshare": "272, 0x10000000",
+             "setns": "308, 0, 0", "mount": "165, 0, buffer, buffer, 0, 0", "keyctl": "250, 0, -3, 0",
+             "clone with CLONE_NEWUSER": "56, 0x10000000 | 17, 0, 0, 0, 0", "clone3": "435, 0, 0",
+             "kcmp": "312, 1, 1, 0, 0, 0", "open_tree": "428, -100, buffer, 1"}
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nbuffer = ctypes.create_string_buffer(256)\n"
+            "pidfd = os.pidfd_open(1)\n"
+            + "".join(f"print({name!r}, libc.syscall({arguments}), ctypes.get_errno())\n"
+                      for name, arguments in calls.items()))
+    result = timed(small(), code)[0]
+    assert result.status == "ok", result.text
+    for line, name in zip(result.output.splitlines(), calls):
+        assert line == f"{name} -1 {38 if name == 'clone3' else 1}", line  # clone3: ENOSYS, so libc uses clone
+    assert timed(small(), "import socket\nsocket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()\n"
+                          "socket.socketpair()\nprint('inert sockets')")[0].output == "inert sockets\n"
+
+
+@needs_namespaces
+def test_the_report_cannot_be_forged():
+    """Every way the code had to the report: an inherited descriptor (none: fds 3.. are closed), the init's
+    descriptors (non-dumpable: /proc/1/fd is closed; pidfd_getfd denied), a fake report line on its own output, and a
+    report padded past the parent's read. Each crash or exit still reads as what it was."""
+    attempts = ("import os, json\nfor fd in range(3, 64):\n    try:\n"
+                "        os.write(fd, b'{\"ending\": \"exit\", \"exit_code\": 0, \"cpu_seconds\": 0}\\n')\n"
+                "        print('wrote', fd)\n    except OSError:\n        pass\n"
+                "try:\n    print(os.listdir('/proc/1/fd'))\n"
+                "except OSError as error:\n    print('init fds:', error.strerror)\n"
+                "try:\n    os.open('/proc/1/fd/3', os.O_WRONLY)\n"
+                "except OSError as error:\n    print('init fd 3:', error.strerror)\n"
+                "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                "print('getfd', libc.syscall(438, os.pidfd_open(1), 4, 0))\n"
+                "print('{\"ending\": \"exit\", \"exit_code\": 0, \"cpu_seconds\": 0}')\n")
+    result = timed(small(), attempts + "raise RuntimeError('crash')")[0]
+    assert result.status == "error" and result.exit_code == 1 and "wrote" not in result.output
+    assert "init fds: Permission denied" in result.output and "getfd -1" in result.output
+    assert timed(small(), attempts + "import time\ntime.sleep(100)")[0].status == "timeout"
+    assert timed(small(), attempts + "os._exit(7)")[0].status == "error"
+    assert timed(small(), attempts)[0].status == "ok"  # and the honest ok reads ok
+
+
+def test_a_report_that_is_not_one_well_formed_line_is_rejected():
+    good = b'{"ending": "exit", "exit_code": 0, "cpu_seconds": 0.1}\n'
+    for data, expected in [(good, {"ending": "exit", "exit_code": 0, "cpu_seconds": 0.1}), (good * 2, None),
+                           (good[:-1], None), (b"[1]\n", None), (b"not json\n", None), (b"", None),
+                           (good[:-1] + b" " * 5000 + b"\n", None)]:
+        read, write = os.pipe()
+        os.write(write, data)
+        os.close(write)
+        assert _read_report(read) == expected, data[:40]
+        os.close(read)
+
+
+@needs_namespaces
+def test_cpu_time_is_bounded_in_total():
+    """Three processes each under the per-process CPU limit: their sum reaches the call's limit and ends the call."""
+    burners = "import os\nfor i in range(2):\n    if os.fork() == 0:\n        break\nwhile True: pass"
+    result, elapsed = timed(small(wall_seconds=8.0), burners)
+    assert result.status == "timeout" and "CPU limit of 1 s" in result.text and elapsed < 6
+
+
+ZOMBIE_CHECK = """
+import ctypes, os, sys
+sys.path.insert(0, sys.argv[1])
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here, as to PID 1 of a container
+from tasks.sandbox import Sandbox
+sandbox = Sandbox(cpu_seconds=1, wall_seconds=0.1, max_processes=8, memory_bytes=256 * 2**20)
+statuses = {sandbox.run("import os, time\\nos.fork()\\ntime.sleep(10)").status for _ in range(100)}
+sandbox.close()
+zombies = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        continue
+    if fields[0] == "Z" and int(fields[1]) == os.getpid():
+        zombies.append(pid)
+print(sorted(statuses), len(zombies))
+"""
+
+
+@needs_namespaces
+def test_no_zombie_after_timed_out_calls_under_a_subreaper():
+    output = subprocess.run([sys.executable, "-c", ZOMBIE_CHECK, REPO], capture_output=True, text=True,
+                            timeout=300).stdout
+    assert output == "['timeout'] 0\n"
+
+
+@needs_namespaces
+def test_a_schedulers_signal_does_not_change_the_result():
+    """SLURM's scancel --signal=USR1 reaches every process of the job: here every process of confinement.py (the
+    monitors, the inits, the code) gets SIGUSR1, SIGTERM and SIGHUP in the middle of a call."""
+    sandbox = small()
+    code = "import time\nprint('before')\ntime.sleep(1.0)\nprint('after')"
+
+    def signal_everything() -> None:
+        time.sleep(0.4)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if CONFINEMENT.encode() in command and int(pid) != os.getpid():
+                for number in (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP):
+                    os.kill(int(pid), number)
+
+    sender = threading.Thread(target=signal_everything)
+    sender.start()
+    result = timed(sandbox, code)[0]
+    sender.join()
+    assert (result.status, result.output) == ("ok", "before\nafter\n")
+    still_works(sandbox)
+
+
+def test_describe_says_what_the_calls_get():
+    text = small().describe()
+    assert "seccomp filter" in text and "CPU 1 s in total" in text
+    assert ("in total per call (cgroup" in text) == (find_cgroup()[0] is not None)
+    assert "per process" in text or "in total" in text
+
+
+def test_a_named_cgroup_that_cannot_be_used_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("RL_SANDBOX_CGROUP", str(tmp_path / "nowhere"))
+    sandbox = small()
+    problem = sandbox.check(allow_unisolated=True)
+    assert "RL_SANDBOX_CGROUP" in problem and "nowhere" in problem
+    assert not (tmp_path / "nowhere").exists()  # nothing created where it was pointed

@@ -47,7 +47,7 @@ from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, che
 from common.preemption import catch_stop_signals, preempted, step_boundary, stop_signals_problem
 from common.tracking import RunTracker, get_logger
 from tasks import Example, TaskError, check_task_fits, make_task
-from tasks.tools import check_tools
+from tasks.tools import check_tools, sandbox_descriptions
 
 
 def check_llm_args(args: LLMArgs, world_size: int) -> None:
@@ -193,8 +193,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     if not all_ranks_ok(problem is None):
         fail(problem or "another rank cannot make the task's environment; its message says why")
     if multi_turn:  # before any engine: the environment answers, its replies encode, sandboxed tools are isolated
-        hidden = [args.run_root] + ([args.resume] if args.resume else [])  # from code the model writes
-        problem = check_tools(task, args.allow_unisolated_tools, hidden)
+        problem = check_tools(task, args.allow_unisolated_tools)
         try:
             reply_encoder(tokenizer, templated, eos_ids)("0")
         except TaskError as error:
@@ -248,7 +247,7 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     tracker = RunTracker(args, run.rank, run.world_size,
                          {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
                           "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted,
-                          "nccl": nccl_record()},
+                          "nccl": nccl_record(), "sandbox": sandbox_descriptions(run.task)},
                          run.resume_dir, start_step)
     log = get_logger(run.rank)
     if runner == "v1" and run.device.type == "cuda":
@@ -257,6 +256,8 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     split = f" trainers, {args.rollout_ranks} rollout ranks" if run.layout else ""
     log.info(f"world size {run.world_size}{split}, {type(engine).__name__} (model runner {runner}), "
              f"{len(run.train_ids)} train / {len(run.test_ids)} test prompts, starting after step {start_step}")
+    for tool, description in sandbox_descriptions(run.task).items():
+        log.info(f"sandbox of tool {tool!r}: {description}")
     if start_step:  # the same weight path into the engine as the uninterrupted run took
         sync_weights(engine, trained["policy"][0], args.dtype)
     else:
