@@ -2,7 +2,8 @@
 A 0.9M-parameter character-level model (assets/tiny-calculator) cannot multiply two 2-digit numbers reliably, but it
 can copy: copy the numbers into a call, copy the result into its answer. So the reward depends on whether it calls
 the tool, and RL on two CPU cores can teach it to. `calculator_tiny:off` is the same task with the tool unavailable
-(a call is answered `=?;`), the control of the comparison run.
+(a call is answered `=?;`), the control of the comparison run; `calculator_tiny:python` answers each call by running
+`print(expression)` in the python tool's sandbox (tasks/sandbox.py): the same episodes through model-written code.
 
 An episode, in characters (one token each), the environment's tokens in brackets of their own here:
 
@@ -20,6 +21,7 @@ import random
 from collections import Counter
 
 from tasks.base import Example, Task, TaskError
+from tasks.sandbox import python
 from tasks.tools import ToolCall, ToolEnvironment, calculator
 
 NO_RESULT = "?"  # the result of a call that gives no number: a reply the character-level model can read
@@ -42,6 +44,8 @@ class TinyCalculatorEnvironment(ToolEnvironment):
             return None  # an answer
         if len(text) < 3 or not text.endswith("]") or "[" in text[1:-1] or "]" in text[1:-1]:
             return "a call is one [expression], e.g. [12*34]"
+        if "python" in self.tools:  # the model's text becomes code: whatever it writes runs in the sandbox
+            return ToolCall("python", {"code": f"print({text[1:-1]})"})
         return ToolCall("calculator", {"expression": text[1:-1]})
 
     def format_reply(self, result: str) -> str:
@@ -53,8 +57,8 @@ class TinyCalculatorEnvironment(ToolEnvironment):
             return NO_RESULT
         if not self.available:
             return NO_RESULT
-        result = super().call(call)
-        return result if result.isdigit() else NO_RESULT  # the calculator's "error: ..." (e.g. `[12**3]`)
+        result = super().call(call).strip()
+        return result if result.isdigit() else NO_RESULT  # the calculator's "error: ..." (e.g. `[12**3]`), a traceback
 
 
 class TinyCalculatorTask(Task):
@@ -68,9 +72,12 @@ class TinyCalculatorTask(Task):
     min_completion_length = 20
 
     def __init__(self, tool: str = "", num_train: int = 20_000, num_test: int = 500) -> None:
-        if tool not in ("", "off"):
-            raise TaskError(f"calculator_tiny takes no argument or `off` (the tool unavailable), got {tool!r}")
+        if tool not in ("", "off", "python"):
+            raise TaskError("calculator_tiny takes no argument, `off` (the tool unavailable) or `python` (calls run "
+                            f"in the sandbox), got {tool!r}")
         self.tool_available = tool != "off"
+        if tool == "python":
+            self.tools = (python,)
         rng = random.Random(1357)
         self.test, held_out = [], set()
         while len(self.test) < num_test:

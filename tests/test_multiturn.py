@@ -76,3 +76,41 @@ def test_an_environment_of_the_wrong_types_stops_the_run_before_any_model_loads(
     assert "error: the task's environment failed at turn 1 of prompt" in result.stderr
     assert "step's done must be a bool, got 1" in result.stderr
     assert "Initializing" not in result.stdout + result.stderr and not list((tmp_path / "runs").iterdir())
+
+
+PYTHON_TOOL = ["--task", "calculator_tiny:python", "--model-name-or-path", "assets/tiny-calculator",
+               "--max-completion-length", "20", "--prompts-per-step", "16", "--num-generations", "4",
+               "--micro-batch-size", "64", "--num-eval-prompts", "16", "--eval-every", "2", "--total-steps", "3",
+               "--save-every", "1", "--keep-last", "0", "--seed", "1"]
+
+
+def test_python_tool_episodes_same_bits_serial_concurrent_and_resumed(tmp_path: Path):
+    """calculator_tiny:python, whose calls run in the sandbox: one environment step at a time and four at once give
+    the same bytes, and so does a run stopped by SIGTERM at a random moment and resumed from its printed line."""
+    import statistics
+    import subprocess
+    import sys
+
+    from conftest import ROOT, preempt_at_random, resume_line, script_env
+
+    check(run_script("grpo_llm.py", [*PYTHON_TOOL, "--env-workers", "1", "--run-root", str(tmp_path / "serial")],
+                     nproc=2))
+    serial = only_run_dir(tmp_path / "serial")
+    steps = [m for m in read_metrics(serial) if m["step"]]
+    assert all(m["episode/tool_calls"] > 0 for m in steps)  # the sandbox answered calls in every step
+    assert "calculator_tiny" in (serial / "manifest.json").read_text() and '"python": "namespaces' in \
+        (serial / "manifest.json").read_text()
+    check(run_script("grpo_llm.py", [*PYTHON_TOOL, "--env-workers", "4", "--run-root", str(tmp_path / "concurrent")],
+                     nproc=2))
+    concurrent = only_run_dir(tmp_path / "concurrent")
+    assert (concurrent / "metrics.jsonl").read_bytes() == (serial / "metrics.jsonl").read_bytes()
+    assert final_hash(concurrent) == final_hash(serial)
+    step_s = statistics.median(p["perf/step_s"] for p in read_metrics(serial, "perf.jsonl") if p["step"])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "grpo_llm.py",
+               *PYTHON_TOOL, "--env-workers", "4", "--run-root", str(tmp_path / "stopped")]
+    status, text, delay = preempt_at_random(command, tmp_path / "output.txt", "step 1/3", step_s)
+    assert status != 0 and "preempted by SIGTERM" in text, f"SIGTERM {delay:.2f} s after step 1\n{text[-3000:]}"
+    check(subprocess.run(resume_line(text), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600))
+    stopped = only_run_dir(tmp_path / "stopped")
+    assert (stopped / "metrics.jsonl").read_bytes() == (serial / "metrics.jsonl").read_bytes()
+    assert final_hash(stopped) == final_hash(serial)

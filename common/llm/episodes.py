@@ -18,12 +18,14 @@ rank with a message (one collective per call, on every rank, whatever the turn c
 
 import hashlib
 import math
+import os
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
-from common.distributed import all_ranks_ok, fail
+from common.distributed import all_ranks_ok, fail, local_world_size
 from common.llm.scoring import decode_completion, task_scores
 from common.llm.state import Episode, LLMRun, Sample
 from common.tracking import get_logger
@@ -31,6 +33,7 @@ from tasks import Environment, Example, Task, TaskError, characters_kept
 from tasks.tools import environment_of
 
 TEMPLATE_BASE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]  # the fixed base
+REPLY_MARK = "TOOLREPLYMARK"  # where a reply holding a special token's text goes in the rendered template
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -85,12 +88,15 @@ def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Cal
     fixed base plus a tool message (and the next assistant turn's opening), minus the base's tokens up to and including
     the assistant's end-of-turn id (what the model sampled): the rest, e.g. Qwen2.5's newline after <|im_end|>, is
     the template's, not the model's, so it opens the reply. Raises TaskError when the template cannot do this."""
-    if not templated:
-        return lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    specials = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special]
 
-    def encode(text: str) -> list[int]:
+    def encode(text: str, split_specials: bool = False) -> list[int]:
+        if split_specials:  # the reply's own text: "<|im_end|>" printed by a tool is characters, not the token
+            return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
         return tokenizer(text, add_special_tokens=False).input_ids
 
+    if not templated:
+        return lambda text: encode(text, split_specials=True)
     try:
         base = encode(tokenizer.apply_chat_template(TEMPLATE_BASE, tokenize=False))
     except Exception as error:
@@ -102,11 +108,18 @@ def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Cal
     cut = ends[-1] + 1
 
     def reply_ids(text: str) -> list[int]:
+        holds_special = any(special in text for special in specials)
         try:
-            full = encode(tokenizer.apply_chat_template(TEMPLATE_BASE + [{"role": "tool", "content": text}],
-                                                        tokenize=False, add_generation_prompt=True))
+            rendered = tokenizer.apply_chat_template(
+                TEMPLATE_BASE + [{"role": "tool", "content": REPLY_MARK if holds_special else text}], tokenize=False,
+                add_generation_prompt=True)
         except Exception as error:
             raise TaskError(f"the chat template cannot write a tool message: {error!r}") from error
+        if holds_special:  # the template's tokens around the reply's, each encoded on its own
+            before, _, after = rendered.partition(REPLY_MARK)
+            full = encode(before) + encode(text, split_specials=True) + encode(after)
+        else:
+            full = encode(rendered)
         if full[:len(base)] != base:
             raise TaskError("the chat template's tokens for a tool message change the tokens before it: the reply "
                             "cannot be appended as a token difference")
@@ -115,8 +128,27 @@ def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Cal
     return reply_ids
 
 
+def steps(workers: int, environments: list[Environment], texts: list[str]) -> list[object]:
+    """Each environment's `step` of its text, on up to `workers` threads at once (a sandboxed call waits on its
+    processes, not on the interpreter), in the episodes' order whatever order they finish in. A step that raises
+    gives its exception in its place."""
+    def step(pair: tuple[Environment, str]) -> object:
+        try:
+            return pair[0].step(pair[1])
+        except Exception as error:
+            return error
+
+    pairs = list(zip(environments, texts))
+    if workers <= 1 or len(pairs) <= 1:
+        return [step(pair) for pair in pairs]
+    with ThreadPoolExecutor(min(workers, len(pairs))) as pool:
+        return list(pool.map(step, pairs))
+
+
 def check_step(result: object) -> tuple[str | None, float, bool]:
-    """An environment's `step` result as (reply, reward, done), or TypeError saying what is wrong."""
+    """An environment's `step` result as (reply, reward, done), or TypeError saying what is wrong (or what it raised)."""
+    if isinstance(result, Exception):
+        raise result
     if not (isinstance(result, tuple) and len(result) == 3):
         raise TypeError(f"step must return (reply text or None, reward, done), got {result!r}")
     reply, reward, done = result
@@ -152,6 +184,7 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
     environments = [environment_of(task) for _ in examples]
     event_names = environment_of(task).event_names
     reply_ids = reply_encoder(tokenizer, run.templated, eos_ids)
+    workers = run.args.env_workers or max(1, (os.cpu_count() or 1) // local_world_size())
     count, problem = len(prompts), None
     ids: list[list[int]] = [[] for _ in range(count)]
     logprobs: list[list[float]] = [[] for _ in range(count)]
@@ -174,17 +207,19 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
                 break
         sampled = engine.generate([prompts[i] + ids[i] for i in running], [turn_seed(seeds[i], turn) for i in running],
                                   [max_tokens - len(ids[i]) for i in running], temperature, eos_ids)
-        still = []
         for i, sample in zip(running, sampled):
             ids[i] += sample.completion_ids
             logprobs[i] += sample.logprobs
             masks[i] += [1] * len(sample.completion_ids)
             turns[i] += 1
             cut[i] = sample.truncated  # the model's turn hit the budget before its EOS
-            text = decode_completion(tokenizer, sample.completion_ids, eos_ids)
             environments[i].turn = turn
+        texts = [decode_completion(tokenizer, sample.completion_ids, eos_ids) for sample in sampled]
+        outcomes = steps(workers, [environments[i] for i in running], texts)
+        still = []
+        for i, sample, text, outcome in zip(running, sampled, texts, outcomes):
             try:
-                reply, reward, done = check_step(environments[i].step(text))
+                reply, reward, done = check_step(outcome)
                 reply_tokens = reply_ids(reply) if reply is not None and not done else []
                 if reply is not None and not done:
                     warn_once_if_lost(tokenizer, reply)

@@ -37,6 +37,9 @@ class LLMArgs:
     max_completion_length: int = 8  # maximum tokens sampled per completion (multi-turn: per episode, every turn's
     # model and environment tokens)
     max_turns: int = 4  # multi-turn tasks (tools, environments): model turns per episode; single-turn tasks ignore it
+    env_workers: int = 0  # multi-turn: environment steps of a turn run on this many threads at once (results placed
+    # by episode, so the bits do not change); 0: the CPU cores per rank on this node. In-process tools lose their
+    # time limit off the main thread: keep them fast, or use 1
     allow_unisolated_tools: bool = False  # run a sandboxed tool (tasks/sandbox.py) even where this platform cannot
     # isolate it (no user namespaces): model-written code can then reach the network and read the run's files
     temperature: float = 1.0  # sampling temperature; logprobs (rollout and trainer) are taken after it
@@ -96,7 +99,7 @@ class LLMArgs:
 MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "eval_every",
                         "num_eval_prompts", "eval_samples", "eval_temperature", "save_every", "keep_last",
                         "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization", "allow_unisolated_tools",
-                        "stop_signals", "export_merged")
+                        "stop_signals", "export_merged", "env_workers")
 
 
 def checkpoint_due(args: LLMArgs, step: int) -> bool:
