@@ -1,7 +1,8 @@
 """The layout of the house, checked from the code's own imports (every `import` statement, function-level ones too):
 no import circle anywhere in the project; `common/`'s own modules import neither the LLM plumbing nor the tasks (they
 are DQN's whole dependency set); the tasks import nothing of `common/llm/` (a user's task needs no trainer); and no
-module of `common/` or `tasks/` grows past about 400 lines, except the sandbox's two sides (one security boundary, read whole)."""
+module of `common/` or `tasks/` grows past about 400 lines, except the sandbox's two sides (one security boundary,
+read whole)."""
 
 import ast
 from pathlib import Path

@@ -146,7 +146,8 @@ def steps(workers: int, environments: list[Environment], texts: list[str]) -> li
 
 
 def check_step(result: object) -> tuple[str | None, float, bool]:
-    """An environment's `step` result as (reply, reward, done), or TypeError saying what is wrong (or what it raised)."""
+    """An environment's `step` result as (reply, reward, done), or TypeError saying what is wrong (or what it
+    raised)."""
     if isinstance(result, Exception):
         raise result
     if not (isinstance(result, tuple) and len(result) == 3):
