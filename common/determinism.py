@@ -82,8 +82,9 @@ def hash_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def rng_states() -> dict[str, object]:
-    """Every RNG state this process owns, for checkpoints."""
-    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}
+    """Every RNG state this process owns, for checkpoints: on CUDA its own device's only (a resume with fewer visible
+    GPUs, e.g. SLURM's --gpus-per-task 1, must still restore it)."""
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), **cuda}
 
 
@@ -92,4 +93,7 @@ def restore_rng_states(states: dict[str, object]) -> None:
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        state = states["cuda"]
+        if isinstance(state, list | tuple):  # a checkpoint from before: every visible device's state, by index
+            state = state[torch.cuda.current_device()]
+        torch.cuda.set_rng_state(state)

@@ -223,3 +223,27 @@ def test_training_under_vllm_sm8x_overrides_reroutes_autograd_and_keeps_the_grad
 if __name__ == "__main__":
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     sharded_loading_child(sys.argv[2]) if sys.argv[1:2] == ["load"] else child()
+
+
+def test_checkpoints_hold_and_restore_the_rank_s_own_cuda_rng_state(monkeypatch):
+    """With a mocked torch.cuda on 8 visible devices, a checkpoint holds the current device's state alone, and a
+    resume that sees one device (SLURM --gpus-per-task 1) restores it; an old checkpoint with every device's state
+    restores the current device's entry."""
+    from common.determinism import restore_rng_states, rng_states
+
+    devices = {index: torch.full((4,), index, dtype=torch.uint8) for index in range(8)}
+    current, restored = [3], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": devices[current[0]].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.clone()))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [devices[i] for i in range(8)])
+    states = rng_states()
+    assert torch.equal(states["cuda"], devices[3])  # one tensor, the rank's own device
+    current[0] = 0  # the resume sees a single device, index 0
+    restore_rng_states(states)
+    assert len(restored) == 1 and torch.equal(restored[0], devices[3])
+    old = {**states, "cuda": [devices[i] for i in range(8)]}
+    current[0] = 5
+    restore_rng_states(old)
+    assert torch.equal(restored[1], devices[5])
