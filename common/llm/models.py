@@ -23,6 +23,7 @@ from common.llm.attention import (
 )
 from common.llm.lora import LoRASpec, apply_lora, lora_scales, merged_weights
 from common.llm.state import LLMArgs
+from common.tracking import get_logger
 
 EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model
 SYNC_BUCKET_BYTES = 256 * 2**20  # full tensors gathered per collective while streaming weights (in the target dtype)
@@ -84,6 +85,9 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
         model = model_type._from_config(config, dtype=torch.float32)
     if lora is not None:
         apply_lora(model, lora, keep_trainable)
+    warning = float32_warning(sum(parameter.numel() for parameter in model.parameters()), device.type, args.dtype)
+    if warning and dist.get_rank() == 0:
+        get_logger(0).warning(f"{path}: {warning}")
     model.config.dtype = export_dtype  # what export_pretrained writes (building set it to the masters' float32)
     if generation_config is not None:  # the checkpoint's (e.g. both EOS ids), not one derived from the config
         model.generation_config = generation_config
@@ -97,6 +101,20 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
         dist.broadcast(buffer, src=0)
     model.eval()  # no dropout anywhere: the engine and the reference have none
     return model
+
+
+FLOAT32_WARN_PARAMETERS = 100_000_000
+
+
+def float32_warning(num_parameters: int, device_type: str, dtype: str) -> str | None:
+    """What to say when a model of real size computes in float32 on a GPU (the default --dtype, right on the CPU):
+    every GEMM on CUDA cores (TF32 stays off for determinism), no FlashAttention in vLLM, no CUDA graphs under batch
+    invariance: about 10x slower than bfloat16 (issue 39's estimate, not measured here). None otherwise."""
+    if device_type != "cuda" or dtype != "float32" or num_parameters < FLOAT32_WARN_PARAMETERS:
+        return None
+    return (f"{num_parameters / 1e6:.0f}M parameters computing in float32 on a GPU (the default --dtype): every "
+            "matrix product on CUDA cores, no FlashAttention, no CUDA graphs, about 10x slower than --dtype bfloat16 "
+            "(master weights and the loss's head stay float32 either way)")
 
 
 def fsdp_shard_size(requested: int, world_size: int) -> int:
