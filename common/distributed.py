@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,10 @@ _save_group: dist.ProcessGroup | None = None
 # The NCCL_* variables when the default group's communicator was created (eagerly, with device_id): NCCL reads most
 # of them once, at the process's first communicator, so the trainer keeps these even after vLLM pins its own.
 _nccl_env_at_init: dict[str, str] = {}
+T = TypeVar("T")
+# What the rollout engine's start set (vLLM's batch-invariant mode pins NCCL_PROTO, NCCL_MAX_NCHANNELS, ... for its own
+# communicators, created while it starts) and was put back afterwards; None: the engine removed a variable.
+_nccl_engine_pins: dict[str, str | None] = {}
 # Ranks per node as torchrun started them, read at import: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE when its
 # engine starts. torchrun numbers ranks node by node, so node k holds ranks k * LOCAL_WORLD_SIZE ... + that - 1.
 LOCAL_WORLD_SIZE_AT_LAUNCH = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -87,11 +92,27 @@ def nccl_env() -> dict[str, str]:
     return {key: value for key, value in sorted(os.environ.items()) if key.startswith("NCCL_")}
 
 
+def keeping_trainer_nccl_env(start: Callable[[], T]) -> T:
+    """`start()` (the rollout engine's start), then the NCCL_* variables as they were before it: the engine's pins
+    (one channel, the Simple protocol, ...) are for the communicators it creates while starting, and would otherwise
+    apply to any group the trainer creates later. What it changed is kept for the manifest."""
+    before = nccl_env()
+    try:
+        return start()
+    finally:
+        after = nccl_env()
+        _nccl_engine_pins.update({key: after.get(key) for key in before.keys() | after.keys()
+                                  if before.get(key) != after.get(key)})
+        for key in after.keys() - before.keys():
+            del os.environ[key]
+        os.environ.update(before)
+
+
 def nccl_record() -> dict[str, object]:
-    """For the manifest: the NCCL settings the trainer's communicator was created with, those in force now (after
-    vLLM started and pinned its own for its communicators), and NCCL's version."""
+    """For the manifest: the NCCL settings the trainer's communicator was created with, what the engine's start
+    pinned for its own communicators (and was put back after it), those in force now, and NCCL's version."""
     version = torch.cuda.nccl.version() if torch.cuda.is_available() else None
-    return {"trainer_communicator": _nccl_env_at_init, "after_engine_start": nccl_env(),
+    return {"trainer_communicator": _nccl_env_at_init, "engine_pins": dict(_nccl_engine_pins), "now": nccl_env(),
             "version": ".".join(map(str, version)) if isinstance(version, tuple) else version}
 
 

@@ -256,3 +256,26 @@ def test_float32_on_a_gpu_is_said_for_models_of_real_size():
     assert float32_warning(494_000_000, "cuda", "bfloat16") is None
     assert float32_warning(494_000_000, "cpu", "float32") is None  # float32 is the CPU's right default
     assert float32_warning(856_576, "cuda", "float32") is None  # the embedded model: nothing to gain
+
+
+def test_the_engines_nccl_pins_do_not_stay_in_the_trainers_environment(monkeypatch):
+    """A mocked engine start that pins NCCL variables as vLLM's batch-invariant mode does (and removes one): after
+    it, the trainer's environment is what it was, and the pins are recorded for the manifest."""
+    import common.distributed as distributed
+
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.delenv("NCCL_PROTO", raising=False)
+    monkeypatch.delenv("NCCL_MAX_NCHANNELS", raising=False)
+    monkeypatch.setattr(distributed, "_nccl_engine_pins", {})
+    before = distributed.nccl_env()
+
+    def engine_start() -> str:
+        os.environ.update({"NCCL_PROTO": "Simple", "NCCL_MAX_NCHANNELS": "1", "NCCL_ALGO": "Tree"})
+        del os.environ["NCCL_DEBUG"]
+        return "engine"
+
+    assert distributed.keeping_trainer_nccl_env(engine_start) == "engine"
+    assert distributed.nccl_env() == before
+    assert distributed.nccl_record()["engine_pins"] == {"NCCL_PROTO": "Simple", "NCCL_MAX_NCHANNELS": "1",
+                                                        "NCCL_ALGO": "Tree", "NCCL_DEBUG": None}

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from common.distributed import all_gather_rows, all_ranks_ok, end, reduce_stats, run_before_leaving
+from common.distributed import (
+    all_gather_rows,
+    all_ranks_ok,
+    end,
+    keeping_trainer_nccl_env,
+    reduce_stats,
+    run_before_leaving,
+)
 from common.llm.engines import FakeEngine, make_engine, sample_seed
 from common.llm.episodes import episode_sums, is_multi_turn, run_episodes, score_samples
 from common.llm.evaluation import evaluate
@@ -32,9 +39,10 @@ def start_engine(run: LLMRun) -> object:
         torch.cuda.empty_cache()
     if args.rollout_engine == "fake":
         return FakeEngine(len(run.tokenizer), args.fake_tau0_s, args.fake_median_length, args.fake_length_sigma)
-    engine = make_engine(args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len,
-                         run.device, args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization,
-                         colocated=run.layout is None, lora=lora_spec(args) if serves_adapters(args) else None)
+    engine = keeping_trainer_nccl_env(lambda: make_engine(
+        args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len, run.device,
+        args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization, colocated=run.layout is None,
+        lora=lora_spec(args) if serves_adapters(args) else None))
     run_before_leaving(engine.close)  # a run stopped by `fail` shuts its engine down while the group exists
     return engine
 
