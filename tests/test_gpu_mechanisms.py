@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import ROOT
 
@@ -279,3 +280,19 @@ def test_the_engines_nccl_pins_do_not_stay_in_the_trainers_environment(monkeypat
     assert distributed.nccl_env() == before
     assert distributed.nccl_record()["engine_pins"] == {"NCCL_PROTO": "Simple", "NCCL_MAX_NCHANNELS": "1",
                                                         "NCCL_ALGO": "Tree", "NCCL_DEBUG": None}
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_a_batch_is_built_without_reading_device_tensors(share_prompts: bool):
+    """make_batch onto the meta device, where any read of a value (nonzero, int of a sum) raises: every index is
+    worked out on the host before the move, so building a micro-batch (PPO: one per minibatch) never makes the host
+    wait for a GPU. The same batch on the CPU gives the indices those host copies hold."""
+    from common.llm.batching import make_batch
+
+    prompts, completions = [[5, 6, 7], [5, 6, 7], [8, 9]], [[1, 2, 3], [4], [2, 2]]
+    arguments = dict(share_prompts=share_prompts, rollout_logprobs=[[-0.5] * 3, [-0.1], [-0.2] * 2],
+                     loss_masks=[[1, 0, 1], None, None])
+    on_meta = make_batch(prompts, completions, 0, torch.device("meta"), **arguments)
+    on_cpu = make_batch(prompts, completions, 0, torch.device("cpu"), **arguments)
+    assert on_meta.head_rows.device.type == "meta" and on_meta.head_rows.shape == on_cpu.head_rows.shape
+    assert on_cpu.head_rows.numel() == 5 and on_cpu.unpack_index.tolist().count(5) == on_cpu.mask.numel() - 5

@@ -56,10 +56,17 @@ class TokenBatch:
     head_rows: torch.Tensor = field(init=False)  # [N]: the kept hidden-state rows that predict a real token
     unpack_index: torch.Tensor = field(init=False)  # [B * C]: each position's row among them, N where padding
 
-    def __post_init__(self) -> None:  # index work once per batch (a host sync on GPUs), not in every forward
-        real = self.mask.reshape(-1) > 0
-        self.head_rows = self.gather_index.reshape(-1)[real] if self.gather_index is not None else real.nonzero()[:, 0]
-        self.unpack_index = torch.where(real, real.long().cumsum(0) - 1, int(real.sum()))
+
+def _with_head_index(batch: TokenBatch, mask: torch.Tensor, gather_index: torch.Tensor | None,
+                     device: torch.device) -> TokenBatch:
+    """`batch` with its head's indices, worked out on the host from the host copies of its mask and gather index,
+    then moved: a nonzero or a sum read on device tensors would make the host wait for the device (once per
+    micro-batch built, e.g. per PPO minibatch)."""
+    real = mask.reshape(-1) > 0
+    head_rows = gather_index.reshape(-1)[real] if gather_index is not None else real.nonzero()[:, 0]
+    batch.head_rows = head_rows.to(device)
+    batch.unpack_index = torch.where(real, real.long().cumsum(0) - 1, int(real.sum())).to(device)
+    return batch
 
 
 def _pack(rows: list[list[int]], width: int, fill: float, dtype: torch.dtype, left: bool) -> torch.Tensor:
@@ -105,8 +112,9 @@ def make_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: i
     mask = torch.cat([_pack([[1] * len(p) for p in prompts], prompt_width, 0, torch.long, left=True),
                       real.long()], 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return TokenBatch(torch.cat([prompt_ids, completion_ids], 1).to(device), mask.to(device), positions.to(device),
-                      completion_ids.to(device), completion_mask.to(device), prompt_width, engine)
+    batch = TokenBatch(torch.cat([prompt_ids, completion_ids], 1).to(device), mask.to(device), positions.to(device),
+                       completion_ids.to(device), completion_mask.to(device), prompt_width, engine)
+    return _with_head_index(batch, completion_mask, None, device)
 
 
 def _packed_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int, completion_ids: torch.Tensor,
@@ -143,11 +151,12 @@ def _packed_batch(prompts: list[list[int]], completions: list[list[int]], pad_id
     for row, (packed_row, start) in starts.items():
         length = len(completions[row])
         gather_index[row, :length] = packed_row * kept + start - first_predictor + torch.arange(length)
-    return TokenBatch(_pack(tokens, width, pad_id, torch.long, left=False).to(device), None,
-                      _pack(positions, width, 0, torch.long, left=False).to(device), completion_ids.to(device),
-                      completion_mask.to(device), prompt_width, rollout_logprobs,
-                      _pack(targets, width, pad_id, torch.long, left=False).to(device), gather_index.to(device),
-                      first_predictor, _pack(segments, width, -2, torch.long, left=False).to(device))
+    batch = TokenBatch(_pack(tokens, width, pad_id, torch.long, left=False).to(device), None,
+                       _pack(positions, width, 0, torch.long, left=False).to(device), completion_ids.to(device),
+                       completion_mask.to(device), prompt_width, rollout_logprobs,
+                       _pack(targets, width, pad_id, torch.long, left=False).to(device), gather_index.to(device),
+                       first_predictor, _pack(segments, width, -2, torch.long, left=False).to(device))
+    return _with_head_index(batch, completion_mask, gather_index, device)
 
 
 def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
