@@ -296,3 +296,25 @@ def test_a_batch_is_built_without_reading_device_tensors(share_prompts: bool):
     on_cpu = make_batch(prompts, completions, 0, torch.device("cpu"), **arguments)
     assert on_meta.head_rows.device.type == "meta" and on_meta.head_rows.shape == on_cpu.head_rows.shape
     assert on_cpu.head_rows.numel() == 5 and on_cpu.unpack_index.tolist().count(5) == on_cpu.mask.numel() - 5
+
+
+def test_the_heads_weight_gradient_in_vocabulary_slices_equals_autograd(monkeypatch):
+    """The head's backward accumulates the weight gradient slice by slice of the vocabulary (no [V, H] float32
+    temporary per row chunk): in float64, with slices of 7 ids over a vocabulary of 50 and chunks of 3 rows, both
+    gradients equal autograd's through a full log_softmax to rounding."""
+    from common.llm import batching
+
+    monkeypatch.setattr(batching, "VOCABULARY_SLICE", 7)
+    monkeypatch.setattr(batching, "CHUNK_ROWS", 3)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 6, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 6, dtype=torch.float64, generator=generator, requires_grad=True)
+    tokens = torch.randint(0, 50, (10,), generator=generator)
+    upstream = torch.randn(10, dtype=torch.float64, generator=generator)
+    (batching._ChosenTokenLogprob.apply(hidden, weight, tokens, 0.7) * upstream).sum().backward()
+    ours = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    reference = torch.log_softmax(hidden @ weight.t() / 0.7, -1).gather(-1, tokens[:, None])[:, 0]
+    (reference * upstream).sum().backward()
+    assert torch.allclose(ours[0], hidden.grad, rtol=0, atol=1e-12)
+    assert torch.allclose(ours[1], weight.grad, rtol=0, atol=1e-12)
