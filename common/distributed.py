@@ -26,6 +26,7 @@ _save_group: dist.ProcessGroup | None = None
 # of them once, at the process's first communicator, so the trainer keeps these even after vLLM pins its own.
 _nccl_env_at_init: dict[str, str] = {}
 T = TypeVar("T")
+_open_file_limits: dict[str, int] = {}
 # What the rollout engine's start set (vLLM's batch-invariant mode pins NCCL_PROTO, NCCL_MAX_NCHANNELS, ... for its own
 # communicators, created while it starts) and was put back afterwards; None: the engine removed a variable.
 _nccl_engine_pins: dict[str, str | None] = {}
@@ -63,11 +64,32 @@ def die_with_launcher() -> None:
         fail("the torchrun launcher of this worker has died")
 
 
+def raise_open_file_limit() -> None:
+    """The soft limit of open files raised to the hard one (often 1,024 of 1,048,576): every gloo pair a rank has
+    exchanged with keeps a socket open for the run (token balancing's partners, over many steps, tend towards N - 1
+    of them), next to vLLM's and the data's files. The limits are kept for the manifest (`open_file_limits`)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:  # an unlimited hard limit is capped by the kernel's nr_open: setrlimit refuses to go past it
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+    _open_file_limits.update(soft_at_start=soft, soft=resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard=hard)
+
+
+def open_file_limits() -> dict[str, int]:
+    """RLIMIT_NOFILE as this process found it and as it runs (after raise_open_file_limit)."""
+    return dict(_open_file_limits)
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join (or, under plain python, create: a world of one, so the same collectives run either way) the process
     group. Returns (rank, world_size, device)."""
     global _save_group, _nccl_env_at_init
     die_with_launcher()
+    raise_open_file_limit()
     if "RANK" not in os.environ:
         with socket.socket() as probe:  # a free port for the single-process group
             probe.bind(("127.0.0.1", 0))

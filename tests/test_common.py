@@ -171,3 +171,20 @@ def test_the_locks_pair_torch_with_its_own_torchvision_and_torchaudio():
             assert pins["torchvision"].split("+")[0] == f"0.{minor + 15}.{patch}", (lock, pins["torchvision"])
         if "torchaudio" in pins:
             assert pins["torchaudio"].split("+")[0] == torch_version, (lock, pins["torchaudio"])
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_one():
+    """Run in a child whose soft limit starts at 256: after raise_open_file_limit it is the hard limit, and both the
+    starting and the raised values are kept for the manifest."""
+    import subprocess
+    import sys
+
+    probe = ("import resource, sys\nsys.path.insert(0, sys.argv[1])\n"
+             "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+             "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+             "from common.distributed import open_file_limits, raise_open_file_limit\nraise_open_file_limit()\n"
+             "print(open_file_limits() == {'soft_at_start': 256, 'soft': hard, 'hard': hard},"
+             " resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard)")
+    root = str(Path(__file__).resolve().parent.parent)
+    result = subprocess.run([sys.executable, "-c", probe, root], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "True True", result.stderr[-2000:]

@@ -28,6 +28,7 @@ from common.distributed import (
     init_distributed,
     local_world_size,
     nccl_record,
+    open_file_limits,
 )
 from common.llm.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
 from common.llm.engines import engine_kind
@@ -247,7 +248,8 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     tracker = RunTracker(args, run.rank, run.world_size,
                          {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
                           "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted,
-                          "nccl": nccl_record(), "sandbox": sandbox_descriptions(run.task)},
+                          "nccl": nccl_record(), "open_files": open_file_limits(),
+                          "sandbox": sandbox_descriptions(run.task)},
                          run.resume_dir, start_step)
     log = get_logger(run.rank)
     if runner == "v1" and run.device.type == "cuda":
