@@ -1,5 +1,6 @@
-"""Per-rank peak memory of one training step of grpo_llm.py, dpo_online.py and ppo_llm.py at real sizes, without a GPU,
-and what lies outside that step (the weight sync's peak, NCCL's buffers, what a sleeping vLLM keeps).
+"""Per-rank peak memory of one training step of grpo_llm.py, dpo_online.py, ppo_llm.py and distill_llm.py at real
+sizes, without a GPU, and what lies outside that step (the weight sync's peak, NCCL's buffers, what a sleeping vLLM
+keeps).
 
 The step runs on fake tensors (FakeTensorMode: shapes and dtypes, no data, no arithmetic) over a fake process group of
 world size N (torch's `fake` backend: collectives return at once) on the CPU device, while torch's FSDPMemTracker
@@ -100,6 +101,8 @@ WORKLOADS = {
     "grpo": dict(micro_batch=8, prompt=512, completion=1024, reference=False, value=False),  # --beta 0
     "dpo": dict(micro_batch=8, prompt=512, completion=1024, reference=True, value=False),
     "ppo": dict(micro_batch=8, prompt=512, completion=256, reference=True, value=True),
+    "distill": dict(micro_batch=8, prompt=512, completion=1024, reference=True, value=False),  # the teacher: the
+    # student's size here (a larger teacher adds its shard: its parameters x 2 bytes / N in bf16)
 }
 # the tracker's kinds, grouped as the README reports them
 GROUPS = {"parameters": ("Sharded Param", "Unsharded Param", "Buffer", "All Gather"),
@@ -202,6 +205,7 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
     `on_forward(model)` runs before each model call (the tracker takes one forward per module otherwise)."""
     from torch.distributed.fsdp import FSDPModule
 
+    from distill_llm import distillation_loss, distillation_rewards
     from dpo_online import dpo_loss, sequence_logprobs
     from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
     from ppo_llm import policy_loss, predicted_values, value_loss
@@ -220,7 +224,7 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
                     token_logprobs(reference, batch, 1.0)
     for batch in batches:
         rows, num_tokens = batch.mask.shape[0], float(batch.head_rows.numel())  # the model's tokens (a shape)
-        if script == "dpo":
+        if script in ("dpo", "distill"):  # distill: the teacher (a frozen model like the reference)
             on_forward(reference)
             with torch.no_grad(), adapters_disabled(reference if reference is policy else None):
                 ref_logprobs = token_logprobs(reference, batch, 1.0)
@@ -231,6 +235,9 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
             per_token = grpo_token_loss(logprobs - logprobs.detach(), is_weight, logprobs, None, torch.ones(rows, 1),
                                         0.2, 0.28, 0.0)
             loss = aggregate_loss(per_token, batch.mask, "dapo", rows, int(num_tokens), batch.mask.shape[1])
+        elif script == "distill":
+            rewards = distillation_rewards(logprobs, ref_logprobs, batch.mask)
+            loss = distillation_loss(logprobs, rewards, torch.ones_like(logprobs), batch.mask, num_tokens)
         elif script == "dpo":
             loss = dpo_loss(sequence_logprobs(logprobs, batch.mask, "sigmoid"),
                             sequence_logprobs(ref_logprobs, batch.mask, "sigmoid"), torch.ones(rows // 2), 0.1,
@@ -278,7 +285,8 @@ def measure(config: object, script: str, workload: dict, args: LLMArgs, fake: bo
         with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
               gpu_kernels() if gpu else contextlib.nullcontext()):
             models = {"policy": build(config, args, trainable=True)}
-            if workload["reference"] and not args.lora_rank:
+            if workload["reference"] and (not args.lora_rank or script == "distill"):  # a teacher is never the
+                # student with its adapters off
                 models["reference"] = build(config, args, trainable=False)
             if workload["value"]:
                 value_config = copy.deepcopy(config)

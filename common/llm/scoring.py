@@ -1,5 +1,6 @@
 """Scores, one number per completion: the task's verifiable reward (`task_scores`, on the decoded text) or a reward
-model's (`RewardModel`), and the check of a reward or value model's scalar head before it loads."""
+model's (`RewardModel`), the check of a reward or value model's scalar head before it loads, and the check that a
+distillation teacher grades the student's tokens (`check_teacher`)."""
 
 import json
 from collections.abc import Callable
@@ -108,3 +109,37 @@ def check_scalar_head(path: str, flag: str, must_be_classifier: bool) -> None:
                  f"(expected [1, {hidden_size}])")
 
 
+
+
+def check_teacher(student: str, teacher: str) -> None:
+    """A teacher grades the student's token ids, so it must be a causal LM with the student's tokenizer: the same
+    vocabulary (every token string to the same id), the same special tokens and an output layer over the same ids.
+    Reads only configs and tokenizers, on every rank, before any model is loaded; a difference is named."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(teacher)
+        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher)
+    except (OSError, ValueError) as error:
+        fail(f"cannot load --teacher-model {teacher!r}: {error}")
+    architectures = config.architectures or []
+    if not any(name.endswith("ForCausalLM") for name in architectures):
+        fail(f"--teacher-model {teacher!r} is not a causal LM (architectures: {architectures}); a teacher must load "
+             "with AutoModelForCausalLM, to give each of the student's tokens a log-probability")
+    student_config, student_tokenizer = AutoConfig.from_pretrained(student), AutoTokenizer.from_pretrained(student)
+    student_vocabulary, teacher_vocabulary = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if student_vocabulary != teacher_vocabulary:
+        differ = sorted(token for token in student_vocabulary.keys() | teacher_vocabulary.keys()
+                        if student_vocabulary.get(token) != teacher_vocabulary.get(token))
+        fail(f"--teacher-model {teacher!r} has another tokenizer than the student {student!r}: "
+             f"{len(teacher_vocabulary)} against {len(student_vocabulary)} tokens, {len(differ)} with another id or "
+             f"missing, e.g. {differ[:5]}; the teacher must grade the student's own token ids")
+    specials = {name: (getattr(student_tokenizer, name), getattr(teacher_tokenizer, name))
+                for name in ("bos_token", "eos_token", "pad_token")}
+    if any(mine != theirs for mine, theirs in specials.values()):
+        fail(f"--teacher-model {teacher!r} has other special tokens than the student {student!r}: "
+             f"{ {name: pair for name, pair in specials.items() if pair[0] != pair[1]} } (student, teacher)")
+    sizes = student_config.get_text_config().vocab_size, config.get_text_config().vocab_size
+    if sizes[0] != sizes[1]:
+        fail(f"--teacher-model {teacher!r} has an output layer over {sizes[1]} ids, the student {student!r} over "
+             f"{sizes[0]}: their log-probabilities would not be over the same tokens")

@@ -1,0 +1,94 @@
+"""distill_llm.py: the loss against hand-computed values (padding and an environment's tokens masked), the teacher as
+the student itself giving zero reward and zero gradient, bad teachers refused before any engine, and 2-rank runs
+that give the same bits twice and after a resume, colocated and split one step off."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, check, only_run_dir, read_metrics, run_script
+
+from distill_llm import distillation_loss, distillation_rewards, task_advantages
+
+TEACHER = ROOT / "assets" / "tiny-adder-teacher"
+SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32",
+         "--eval-every", "2", "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--seed", "1"]
+
+
+def final_hash(run_dir: Path) -> str:
+    return json.loads((run_dir / "final.json").read_text())["parameter_sha256"]
+
+
+def test_the_loss_on_two_completions_by_hand():
+    """Row 0: three model tokens; row 1: a model token, an environment's token (mask 0) and a model token, then
+    padding. r_t = -(s_t - t_t); loss = -sum w r s / N over the 5 model tokens (N = 5 here, a whole batch)."""
+    student = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.25, 0.0, -3.0, 0.0]], requires_grad=True)
+    teacher = torch.tensor([[-0.5, -2.5, -0.5, 0.0], [-1.25, 0.0, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0]])
+    weight = torch.tensor([[1.0, 2.0, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0]])
+    rewards = distillation_rewards(student, teacher, mask)
+    assert rewards.tolist() == [[0.5, -0.5, 0.0, 0.0], [-1.0, 0.0, 2.0, 0.0]]
+    loss = distillation_loss(student, rewards, weight, mask, num_tokens=5)
+    by_hand = -(1.0 * 0.5 * -1.0 + 2.0 * -0.5 * -2.0 + 0.5 * -1.0 * -0.25 + 1.0 * 2.0 * -3.0) / 5
+    assert loss.item() == pytest.approx(by_hand, abs=1e-7)
+    loss.backward()
+    assert student.grad.flatten().tolist() == pytest.approx([-0.1, 0.2, 0.0, 0.0, 0.1, 0.0, -0.4, 0.0], abs=1e-7)
+    assert task_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]])).tolist() == [[0.5, -0.5, -0.5, 0.5]]
+
+
+def test_the_teacher_as_the_student_gives_zero_reward_and_zero_gradient(tmp_path: Path):
+    """The negative control: the student's own weights as the teacher. Both log-probabilities come from the same
+    computation on the same weights, so the reward is exactly 0 on every token (not only up to rounding on this
+    CPU), and so are the loss and the gradient."""
+    check(run_script("distill_llm.py", ["--teacher-model", "assets/tiny-adder", "--total-steps", "2",
+                                        "--num-eval-prompts", "8", "--run-root", str(tmp_path)]))
+    for metrics in read_metrics(only_run_dir(tmp_path))[1:]:
+        assert metrics["train/reverse_kl"] == 0.0 and metrics["train/loss"] == 0.0
+        assert metrics["train/grad_norm"] == 0.0
+
+
+@pytest.mark.parametrize("teacher, message", [
+    ("assets/no-such-teacher", "cannot load --teacher-model 'assets/no-such-teacher'"),
+    ("assets/tiny-calculator", "has another tokenizer than the student"),
+    ("classifier", "is not a causal LM"),
+])
+def test_a_bad_teacher_is_refused_before_any_engine(teacher: str, message: str, tmp_path: Path):
+    if teacher == "classifier":  # the student's files, declared a sequence classifier
+        teacher = str(tmp_path / "classifier")
+        shutil.copytree(ROOT / "assets" / "tiny-adder", teacher)
+        config = json.loads(Path(teacher, "config.json").read_text())
+        config["architectures"] = ["LlamaForSequenceClassification"]
+        Path(teacher, "config.json").write_text(json.dumps(config))
+    result = run_script("distill_llm.py", ["--teacher-model", teacher, "--run-root", str(tmp_path / "runs")], nproc=2,
+                        timeout=120)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+    assert "Initializing" not in result.stdout + result.stderr and not (tmp_path / "runs").exists()
+
+
+def test_distillation_gives_the_same_bits_twice_and_after_a_resume(tmp_path: Path):
+    """Colocated on 2 ranks: twice to the same bytes, and resumed from step 2 to the same bytes; the teacher is
+    better than the student, so the reward is not zero and the weights move."""
+    runs = []
+    for name in ("first", "second"):
+        check(run_script("distill_llm.py", [*SHORT, "--run-root", str(tmp_path / name)], nproc=2))
+        runs.append(only_run_dir(tmp_path / name))
+    first, second = runs
+    assert (first / "metrics.jsonl").read_bytes() == (second / "metrics.jsonl").read_bytes()
+    assert final_hash(first) == final_hash(second)
+    steps = [m for m in read_metrics(first) if m["step"]]
+    assert all(m["train/reverse_kl"] != 0 and m["train/grad_norm"] > 0 for m in steps)
+    reference, reference_hash = (first / "metrics.jsonl").read_bytes(), final_hash(first)
+    check(run_script("distill_llm.py", [*SHORT, "--resume", str(first / "checkpoints" / "step_00000002")], nproc=2))
+    assert (first / "metrics.jsonl").read_bytes() == reference and final_hash(first) == reference_hash
+
+
+def test_distillation_split_one_step_off_resumes_exactly(tmp_path: Path):
+    split = [*SHORT, "--rollout-ranks", "1", "--max-staleness", "1"]
+    check(run_script("distill_llm.py", [*split, "--run-root", str(tmp_path / "split")], nproc=2))
+    run_dir = only_run_dir(tmp_path / "split")
+    reference, reference_hash = (run_dir / "metrics.jsonl").read_bytes(), final_hash(run_dir)
+    assert any(m.get("mismatch/tis_weight_mean", 1.0) != 1.0 for m in read_metrics(run_dir))  # one step off
+    check(run_script("distill_llm.py", [*split, "--resume", str(run_dir / "checkpoints" / "step_00000002")], nproc=2))
+    assert (run_dir / "metrics.jsonl").read_bytes() == reference and final_hash(run_dir) == reference_hash
