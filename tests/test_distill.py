@@ -54,16 +54,24 @@ def test_the_teacher_as_the_student_gives_zero_reward_and_zero_gradient(tmp_path
     ("assets/tiny-calculator", "has another tokenizer than the student"),
     ("classifier", "is not a causal LM"),
 ])
-def test_a_bad_teacher_is_refused_before_any_engine(teacher: str, message: str, tmp_path: Path):
+def test_a_bad_teacher_is_refused(teacher: str, message: str, tmp_path: Path, capsys):
+    import distill_llm
+
     if teacher == "classifier":  # the student's files, declared a sequence classifier
         teacher = str(tmp_path / "classifier")
         shutil.copytree(ROOT / "assets" / "tiny-adder", teacher)
         config = json.loads(Path(teacher, "config.json").read_text())
         config["architectures"] = ["LlamaForSequenceClassification"]
         Path(teacher, "config.json").write_text(json.dumps(config))
-    result = run_script("distill_llm.py", ["--teacher-model", teacher, "--run-root", str(tmp_path / "runs")], nproc=2,
-                        timeout=120)
-    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+    with pytest.raises(SystemExit) as exit_info:
+        distill_llm.check_args(distill_llm.Args(teacher_model=teacher), 1)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_bad_teacher_stops_every_rank_before_any_engine(tmp_path: Path):
+    result = run_script("distill_llm.py", ["--teacher-model", "assets/tiny-countdown", "--run-root",
+                                           str(tmp_path / "runs")], nproc=2, timeout=120)
+    assert result.returncode != 0 and "has another tokenizer than the student" in result.stderr, result.stderr[-2000:]
     assert "Initializing" not in result.stdout + result.stderr and not (tmp_path / "runs").exists()
 
 
