@@ -54,7 +54,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
                  kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True,
-                 lora: LoRASpec | None = None) -> None:
+                 lora: LoRASpec | None = None, prefix_cache: bool = True) -> None:
         from vllm import LLM
 
         gc.freeze()  # what importing vLLM built lives all run: its start-up collections (six) need not walk it
@@ -76,7 +76,7 @@ class VLLMEngine:
         self.llm = LLM(
             model=model_path, dtype=dtype, seed=rank // tp, tensor_parallel_size=tp,
             distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
-            max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=device.type == "cpu",
+            max_model_len=max_model_len, enable_prefix_caching=prefix_cache, enforce_eager=device.type == "cpu",
             use_tqdm_on_load=False, hf_overrides={"head_dtype": "float32"}, **memory,  # logits as the trainer's
         )  # eager on CPU: compiling costs more start-up time than it saves on small models
         # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
@@ -276,7 +276,7 @@ def engine_kind(kind: str) -> str:
 
 def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
                 kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True,
-                lora: LoRASpec | None = None) -> VLLMEngine | HFEngine:
+                lora: LoRASpec | None = None, prefix_cache: bool = True) -> VLLMEngine | HFEngine:
     """`auto` picks vLLM when it is installed, else the `transformers` fallback (which takes merged weights: it has
     no adapters)."""
     if engine_kind(kind) == "vllm":
@@ -291,5 +291,5 @@ def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: 
         if device.type == "cpu":  # eager CPU vLLM still compiles a logprob-rank count on first use: 3 s per process
             torch._dynamo.config.disable = True  # for the same integers (process-wide: nothing else here compiles)
         return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization,
-                          colocated, lora)
+                          colocated, lora, prefix_cache)
     return HFEngine(model_path, getattr(torch, dtype), device)

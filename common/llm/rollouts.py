@@ -42,7 +42,7 @@ def start_engine(run: LLMRun) -> object:
     engine = keeping_trainer_nccl_env(lambda: make_engine(
         args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len, run.device,
         args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization, colocated=run.layout is None,
-        lora=lora_spec(args) if serves_adapters(args) else None))
+        lora=lora_spec(args) if serves_adapters(args) else None, prefix_cache=args.prefix_cache))
     run_before_leaving(engine.close)  # a run stopped by `fail` shuts its engine down while the group exists
     return engine
 

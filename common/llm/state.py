@@ -78,6 +78,9 @@ class LLMArgs:
     max_staleness: int = 0  # with --rollout-ranks: 1 samples batch t + 1 while batch t trains (with the weights
     # after update t - 1: one step off-policy); 0 waits for each update. The schedule is fixed either way
     vllm_kv_cache_memory_bytes: int = 64 * 2**20  # KV-cache size of the vLLM engine on CPU
+    prefix_cache: bool = True  # vLLM's prefix cache (multi-turn episodes resubmit prompt + episode each turn: mostly
+    # hits); --no-prefix-cache recomputes every prompt, for a GPU where a cached prefix is found to change a sample
+    # (tests/test_llm.py checks on the CPU that it does not; benchmarks/README.md has its cost)
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take on CUDA (the trainer needs the rest)
     # --- evaluation, logs, checkpoints ---
     eval_every: int = 20  # held-out greedy evaluation every this many steps (and before the first and after the last)
