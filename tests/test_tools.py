@@ -296,3 +296,13 @@ def test_run_diff_on_the_same_arguments_with_other_cpu_kernels(grpo_reference_ru
     assert run_diff.main([str(grpo_reference_run), str(copy)]) == 0  # itself, elsewhere: identical
     assert "identical" in capsys.readouterr().out
 
+
+
+def test_the_doctor_names_a_driver_too_old_for_the_cuda_build():
+    from tools.doctor import driver_problem
+
+    problem = driver_problem("570.133.20", "13.0")
+    assert "older than R580" in problem and "update the driver" in problem
+    assert driver_problem("580.65.06", "13.0") is None and driver_problem("590.48", "13.0") is None
+    assert driver_problem("570.133.20", "12.8") is None  # CUDA 12 runs on R525 and newer
+    assert driver_problem(None, "13.0") is None and driver_problem("470.1", None) is None  # no driver, CPU torch

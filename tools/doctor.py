@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -98,6 +99,34 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
+# The oldest NVIDIA driver branch each CUDA major release runs on (NVIDIA's CUDA release notes: 12.x needs R525, 13.x
+# R580); the GPU lock pins the CUDA 13 wheels of torch 2.13.
+DRIVER_FOR_CUDA = {"12": 525, "13": 580}
+
+
+def nvidia_driver() -> str | None:
+    """The loaded NVIDIA kernel module's version (e.g. 580.65.06), read where the driver writes it; None without one.
+    Read even where torch sees no GPU: a driver too old for torch's CUDA is exactly that case."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    match = re.search(r"\s(\d{3,}\.\d+(?:\.\d+)?)\s", text)
+    return match.group(1) if match else None
+
+
+def driver_problem(driver: str | None, cuda_build: str | None) -> str | None:
+    """Why this driver cannot run this torch's CUDA build, or None."""
+    if driver is None or cuda_build is None:
+        return None
+    needed = DRIVER_FOR_CUDA.get(cuda_build.split(".")[0])
+    if needed is None or int(driver.split(".")[0]) >= needed:
+        return None
+    return (f"the NVIDIA driver {driver} is older than R{needed}, which torch's CUDA {cuda_build} build needs (the GPU "
+            f"lock pins CUDA {cuda_build.split('.')[0]} wheels): update the driver to R{needed} or newer; until then "
+            "torch sees no GPU")
+
+
 def environment_report(vllm_installed: bool) -> list[str]:
     """Software, device and settings, as lines; the settings are this shell's (the runs' own come from manifests)."""
     versions = _versions()
@@ -111,6 +140,11 @@ def environment_report(vllm_installed: bool) -> list[str]:
     lines.append(f"cpu: {cpu_model()}, {os.cpu_count()} cores, torch's CPU kernels "
                  f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY "
                  f"{os.environ.get('ATEN_CPU_CAPABILITY', 'unset')})")
+    driver = nvidia_driver()
+    if driver is not None:
+        problem = driver_problem(driver, torch.version.cuda)
+        lines.append(f"NVIDIA driver {driver}, torch built for CUDA {torch.version.cuda or 'none (a CPU build)'}"
+                     + (f"\nerror: {problem}" if problem else ""))
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     overrides, cublas = batch_invariant_overrides(capability)
     if capability is None:
