@@ -174,3 +174,23 @@ def test_hsdp_across_two_nodes_equals_the_flat_mesh(hsdp_runs: dict[str, Path]):
         assert mesh["train/grad_norm"] > 0 and mesh["train/value_grad_norm"] > 0
     manifests = {name: json.loads((run / "manifest.json").read_text()) for name, run in hsdp_runs.items()}
     assert manifests["flat"]["args"]["fsdp_shard_size"] == 4 and manifests["hsdp"]["args"]["fsdp_shard_size"] == 0
+
+
+def test_token_balancing_keeps_its_partners_within_its_group(tmp_path):
+    """8 gloo ranks, 200 steps of long-tailed random lengths (tests/balance_fds_worker.py). With balancing groups of 4,
+    each rank exchanges rows with members of its own group only, and holds fewer open sockets than with one group
+    of all 8 (the negative control), whose ranks exchange with peers beyond their first 4."""
+    touched = {}
+    for group in (4, 8):
+        out = tmp_path / f"group_{group}"
+        out.mkdir()
+        check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
+                              "tests/balance_fds_worker.py", str(out), str(group)], cwd=ROOT, env=script_env(),
+                             capture_output=True, text=True, timeout=600))
+        touched[group] = {rank: json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(8)}
+    for rank, result in touched[4].items():
+        own_group = set(range(rank - rank % 4, rank - rank % 4 + 4)) - {rank}
+        assert set(result["peers"]) <= own_group and result["peers"], (rank, result)
+        assert result["sockets_at_end"] < touched[8][rank]["sockets_at_end"], (rank, result, touched[8][rank])
+    assert any(set(result["peers"]) - set(range(rank - rank % 4, rank - rank % 4 + 4))
+               for rank, result in touched[8].items())  # without the bound, rows cross the first 4 ranks

@@ -9,6 +9,12 @@ import torch.distributed as dist
 
 from common.llm.state import LLMRun, Rollout, Sample
 
+# Rows move only among BALANCE_GROUP_RANKS consecutive ranks (a node of 8 GPUs, as torchrun numbers ranks): gloo keeps
+# a socket open for every pair that ever exchanged, so balancing over the whole world would, step after step, open
+# N - 1 per rank (past the common 1,024 open files at about 1,000 ranks). Within a group the plan is as before; the
+# groups' totals are not evened out (their difference shrinks as the group's sum of many rows).
+BALANCE_GROUP_RANKS = 8
+
 
 def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: int, micro_batch_size: int,
                    micro_batch_tokens: int) -> tuple[Rollout, torch.Tensor, list[list[int]]]:
@@ -17,19 +23,26 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     consecutive rows (GRPO's packed groups) move whole; `per_row` [rows, k] (e.g. advantages) travels with them.
 
     The plan needs nothing but every rank's lengths, gathered by `generate`, so every rank computes the same plan:
-    `balanced_partition` of all units by tokens (heaviest unit <= mean + the largest), each rank's units ordered by
-    length (similar lengths pad less together), then the same number M of micro-batches on every rank (the lock
-    step): M = the most any rank needs for `micro_batch_tokens` padded tokens each (else `micro_batch_size` rows),
-    at most the fewest units any rank holds. The rows move point to point between the pairs of ranks that exchange
-    any, over gloo (`exchange`), never an all-to-all over the world. The loss is unchanged: every normaliser counts
-    the whole batch. Returns this rank's rollout, per_row and pieces."""
+    `balanced_partition` of each group's units by tokens (heaviest unit <= mean + the largest), each rank's units
+    ordered by length (similar lengths pad less together), then the same number M of micro-batches on every rank (the
+    lock step): M = the most any rank needs for `micro_batch_tokens` padded tokens each (else `micro_batch_size`
+    rows), at most the fewest units any rank holds. The rows move point to point between the pairs of ranks that
+    exchange any, over gloo (`exchange`), within groups of BALANCE_GROUP_RANKS, never an all-to-all over the world.
+    The loss is unchanged: every normaliser counts the whole batch. Returns this rank's rollout, per_row and
+    pieces."""
     world, rows, _ = rollout.lengths.shape
     lengths = rollout.lengths.view(world * rows // unit, unit, 2)  # [global units, unit, (prompt, completion)]
     weights = (lengths[:, :, 0] + lengths[:, :, 1]).sum(1).tolist()
-    parts = balanced_partition(weights, world)
+    units_per_rank = rows // unit
+    parts = []
+    for first in range(0, world, BALANCE_GROUP_RANKS):  # each group's units among its own ranks
+        size = min(BALANCE_GROUP_RANKS, world - first)
+        offset = first * units_per_rank
+        group = balanced_partition(weights[offset:offset + size * units_per_rank], size)
+        parts += [[offset + u for u in part] for part in group]
     for part in parts:
         part.sort(key=lambda u: (weights[u], u))
-    mine, units_per_rank = parts[run.rank], rows // unit
+    mine = parts[run.rank]
     # --- move: each rank sends its units to their new ranks, in the order the receiver keeps them
     tokens = [rollout.prompts[r] + rollout.completions[r] for r in range(rows)]
     floats = [[*rollout.samples[r].logprobs, *rollout.samples[r].model_mask(), float(rollout.samples[r].truncated),
