@@ -5,6 +5,7 @@ a negative control shows each check would catch a leak. The tests run as the tra
 runs as nobody); a non-root trainer's path is the same code with the user namespace taken first."""
 
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -486,3 +487,47 @@ def test_a_named_cgroup_that_cannot_be_used_is_refused(tmp_path, monkeypatch):
     problem = sandbox.check(allow_unisolated=True)
     assert "RL_SANDBOX_CGROUP" in problem and "nowhere" in problem
     assert not (tmp_path / "nowhere").exists()  # nothing created where it was pointed
+
+
+NON_ROOT_CHECKS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tasks.sandbox import Sandbox
+sandbox = Sandbox(cpu_seconds=1, wall_seconds=5.0, max_processes=8, memory_bytes=256 * 2**20)
+forge = ("import os\\nfor fd in os.listdir('/proc/1/fd'):\\n    try:\\n"
+         "        os.write(os.open('/proc/1/fd/' + fd, os.O_WRONLY), b'exit 0 0.0\\\\n')\\n        print('forged')\\n"
+         "    except OSError:\\n        pass\\nraise SystemExit(3)")
+calls = {"identity": "import os\\nprint(os.getuid())",
+         "repository": f"print(open({sys.argv[1] + '/README.md'!r}).read())",
+         "io_uring": ("import ctypes\\nlibc = ctypes.CDLL(None, use_errno=True)\\n"
+                      "print(libc.syscall(425, 1, 0), ctypes.get_errno())"),
+         "forge": forge,
+         "cpu": "import os\\nfor i in range(2):\\n    if os.fork() == 0:\\n        break\\nwhile True: pass"}
+results = {"problem": sandbox.check(allow_unisolated=False), "describe": sandbox.describe()}
+for name, code in calls.items():
+    result = sandbox.run(code)
+    results[name] = [result.status, result.text[-300:]]
+sandbox.close()
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(subprocess.run(["unshare", "--user", "--map-user=1000", "true"], capture_output=True).returncode,
+                    reason="no user namespaces for a non-root trainer here")
+def test_as_a_non_root_trainer():
+    """The trainer as a non-root user (uid 1000 in a user namespace of its own, the way a cluster job runs): the
+    sandbox takes its user namespace first and builds the same root. The code runs as that user, cannot read the
+    repository, gets EPERM from the filter, cannot forge its report through the init's descriptors, and is stopped
+    by the total CPU limit. Not checked this way: the process bound. The user namespace maps uid 1000 to the host's
+    root, whose processes the kernel exempts from RLIMIT_NPROC (a real non-root user is not); a real non-root user
+    cannot run this machine's interpreter, which lies under /root."""
+    done = subprocess.run(["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c",
+                           NON_ROOT_CHECKS, REPO], capture_output=True, text=True, timeout=300)
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results["problem"] is None and "namespaces, allow-listed root, seccomp filter" in results["describe"]
+    assert results["identity"] == ["ok", "1000\n"]
+    assert results["repository"][0] == "error" and "FileNotFoundError" in results["repository"][1]
+    assert results["io_uring"] == ["ok", "-1 1\n"]
+    assert results["forge"][0] == "error" and "forged" not in results["forge"][1] and "[exit code 3]" in \
+        results["forge"][1]
+    assert results["cpu"][0] == "timeout" and "CPU limit" in results["cpu"][1]
