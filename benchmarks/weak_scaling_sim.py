@@ -28,9 +28,10 @@ The model, per step (each phase waits for its slowest rank, as a synchronous des
   weights W = 2 P_m are read once per step, the KV cache (2 x layers x kv_heads x head_dim x 2 bytes per token) of
   every live sequence is read too; plus the prefill of the rank's prompts (2 P_m x tokens / F, each prompt once:
   prefix caching). The rank runs as many decode steps as its longest completion; the step waits for max over ranks.
-- balance (fix "balance"): an all-gather of every completion's length and an all-to-all of the token data (12 bytes
-  a token: id and engine logprob), then every rank holds about the same tokens (see balanced_rank_tokens). Priced
-  as NCCL's; the script moves the rows point to point over gloo (common/distributed.py's exchange), through the CPUs.
+- balance (fix "balance"): an all-gather of every completion's length, then the token data (12 bytes a token: id
+  and engine logprob) moves point to point inside groups of 8 consecutive ranks, after which every rank of a group
+  holds about the group's mean (see balanced_rank_tokens; the groups' totals stay apart). Priced as NCCL's ring
+  inside the group; the script moves the rows over gloo (common/llm/balancing.py's exchange), through the CPUs.
 - training: micro-batches; each costs max(the slowest rank's compute, FSDP's communication), the two overlapping as
   FSDP2 prefetches the next block's all-gather during this block's compute. Compute = (6 + 2 x forward-only passes)
   x P_m x tokens (padding included) / (F x train_efficiency). Communication per micro-batch, per FSDP unit (28
@@ -135,6 +136,7 @@ PHASES = ("generation", "balance", "training", "bookkeeping", "sync_gather", "sy
 BOOKKEEPING_COLLECTIVES = {"today": 10, "fewer_collectives": 3}
 SYNC_BUCKET_BYTES = 256 * 2**20  # common/llm/models.py's bucket
 BALANCE_BYTES_PER_TOKEN = 12  # int64 token id + float32 engine logprob
+BALANCE_GROUP_RANKS = 8  # common/llm/balancing.py's: rows move only within 8 consecutive ranks
 SPLIT_BASE = "all fixes"  # the split layout trains with every fix, so its efficiency is against this colocated one
 SPLIT_FIXES = CONFIGS[SPLIT_BASE]
 SPLIT_PHASES = ("generation", "transfer", "training", "bookkeeping", "sync_gather", "sync_broadcast", "sync_reload")
@@ -289,14 +291,26 @@ def padded_micro_batches(lengths: np.ndarray, workload: Workload) -> list[np.nda
     return list(np.stack(padded, axis=-1).max(axis=1))  # [steps] of [micro-batches], max over ranks
 
 
-def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int, ranks: int | None = None) -> np.ndarray:
-    """[steps, ranks] tokens per rank once the step's completions are redistributed: each round hands the next `ranks`
+def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int, ranks: int | None = None,
+                         group: int = BALANCE_GROUP_RANKS) -> np.ndarray:
+    """[steps, ranks] tokens per rank once the step's completions are redistributed: each round hands the next
     longest rows to the ranks in order of load, lightest first (greedy longest-first, as the fix's partition,
-    common/llm/batching.py's balanced_partition; at 64 rows per rank it leaves every rank within 1% of the mean).
-    `ranks`: those that share the rows, by default the ranks that generated them (the split layout's trainers)."""
+    common/llm/balancing.py's balanced_partition; at 64 rows per rank it leaves every rank within 1% of the mean),
+    within each group of `group` consecutive ranks, as the script balances (its groups' totals stay apart).
+    `ranks`: those that share the rows, by default the ranks that generated them (the split layout's trainers, who
+    receive the rows of all rollout ranks: balanced as one group there)."""
     steps = lengths.shape[0]
-    ranks = lengths.shape[1] if ranks is None else ranks
-    rows = -np.sort(-(lengths.reshape(steps, -1) + prompt_tokens), axis=1)
+    if ranks is not None and ranks != lengths.shape[1]:
+        return _greedy_loads(lengths.reshape(steps, -1) + prompt_tokens, ranks)
+    per_rank = (lengths + prompt_tokens).reshape(steps, lengths.shape[1], -1)
+    return np.concatenate([_greedy_loads(per_rank[:, first:first + group].reshape(steps, -1),
+                                         min(group, lengths.shape[1] - first))
+                           for first in range(0, lengths.shape[1], group)], axis=1)
+
+
+def _greedy_loads(row_tokens: np.ndarray, ranks: int) -> np.ndarray:
+    rows = -np.sort(-row_tokens, axis=1)
+    steps = rows.shape[0]
     loads = np.zeros((steps, ranks))
     step_index = np.arange(steps)[:, None]
     for start in range(0, rows.shape[1], ranks):
@@ -353,11 +367,14 @@ def training_s(micro_batches: list[np.ndarray], workload: Workload, model: Model
 
 
 def balance_s(ranks: int, workload: Workload, mean_rank_tokens: float, constants: dict[str, float]) -> float:
-    nodes = nodes_spanned(constants, ranks)
-    lengths_gather = collective_s(8 * ranks * workload.completions, ranks, nodes, constants)
-    # an all-to-all of B bytes per rank costs what an all-gather of B in all does: B (N - 1) / N through each link
-    tokens_all_to_all = collective_s(BALANCE_BYTES_PER_TOKEN * mean_rank_tokens, ranks, nodes, constants)
-    return lengths_gather + tokens_all_to_all
+    """The lengths' all-gather over every rank, then the rows' point-to-point exchange inside a group of
+    BALANCE_GROUP_RANKS (a node of 8 GPUs): at most a rank's B bytes out and in, through the group's links, priced as
+    a ring all-to-all of that group (B (g - 1) / g through each link)."""
+    lengths_gather = collective_s(8 * ranks * workload.completions, ranks, nodes_spanned(constants, ranks), constants)
+    group = min(ranks, BALANCE_GROUP_RANKS)
+    rows_exchange = collective_s(BALANCE_BYTES_PER_TOKEN * mean_rank_tokens, group, nodes_spanned(constants, group),
+                                 constants)
+    return lengths_gather + rows_exchange
 
 
 def bookkeeping_s(ranks: int, constants: dict[str, float], fixes: frozenset[str], optimizer_steps: int = 1
