@@ -553,7 +553,11 @@ def outside_the_step_markdown(rows: list[dict]) -> str:
               f"node, {ring['across_nodes'] / MIB:g} MiB across nodes (with GPUDirect RDMA); times the channels "
               "(placeholder below) and the communicators that run collectives: the FSDP shard group, the replicas' "
               "group (HSDP), the default group, and in the split layout trainer 0's bridge to the rollout ranks. "
-              "Token balancing's exchange needs none: it runs point to point over gloo on the host.", "",
+              "Token balancing's exchange needs none: it runs point to point over gloo on the host. vLLM's own: none "
+              "at --vllm-tp 1 (its world group is built with use_device_communicator=False, and a group of one rank "
+              "gets no device communicator: vllm/distributed/parallel_state.py, `if use_device_communicator and "
+              "self.world_size > 1`); at --vllm-tp t its tensor-parallel group adds one communicator with t - 1 "
+              "peers inside the node.", "",
               "Placeholders (not counted above):", ""]
     lines += [f"- {term}: {value}" for term, value in PLACEHOLDERS.items()]
     return "\n".join(lines)
