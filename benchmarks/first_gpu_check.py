@@ -15,7 +15,8 @@ Parts, each timed and each allowed to fail alone (its error recorded, the rest s
   logprobs each time, or where they differ;
 - throughput: the HF engine's generation and the trainer's forward + backward in tokens per second, embedded models;
 - doctor: `tools/doctor.py --scripts grpo --no-memory`'s verdicts.
-Nothing is downloaded; without vLLM its part says so. About 5-8 minutes on one H200 (an estimate: not yet run).
+Nothing is downloaded; without vLLM its part says so. Meant to fit the 9 minutes issue 39 allows on one H200; not
+yet run on a GPU, so its time there is unknown (the JSON is rewritten after every part: a cut run keeps what it did).
 """
 
 import argparse
