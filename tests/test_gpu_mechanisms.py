@@ -253,7 +253,7 @@ def test_checkpoints_hold_and_restore_the_rank_s_own_cuda_rng_state(monkeypatch)
 def test_float32_on_a_gpu_is_said_for_models_of_real_size():
     from common.llm.models import float32_warning
 
-    assert "about 10x slower than --dtype bfloat16" in float32_warning(494_000_000, "cuda", "float32")
+    assert "pass --dtype bfloat16" in float32_warning(494_000_000, "cuda", "float32")
     assert float32_warning(494_000_000, "cuda", "bfloat16") is None
     assert float32_warning(494_000_000, "cpu", "float32") is None  # float32 is the CPU's right default
     assert float32_warning(856_576, "cuda", "float32") is None  # the embedded model: nothing to gain

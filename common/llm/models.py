@@ -109,12 +109,12 @@ FLOAT32_WARN_PARAMETERS = 100_000_000
 def float32_warning(num_parameters: int, device_type: str, dtype: str) -> str | None:
     """What to say when a model of real size computes in float32 on a GPU (the default --dtype, right on the CPU):
     every GEMM on CUDA cores (TF32 stays off for determinism), no FlashAttention in vLLM, no CUDA graphs under batch
-    invariance: about 10x slower than bfloat16 (issue 39's estimate, not measured here). None otherwise."""
+    invariance (issue 39 estimates about 10x slower than bfloat16; not measured here). None otherwise."""
     if device_type != "cuda" or dtype != "float32" or num_parameters < FLOAT32_WARN_PARAMETERS:
         return None
     return (f"{num_parameters / 1e6:.0f}M parameters computing in float32 on a GPU (the default --dtype): every "
-            "matrix product on CUDA cores, no FlashAttention, no CUDA graphs, about 10x slower than --dtype bfloat16 "
-            "(master weights and the loss's head stay float32 either way)")
+            "matrix product on CUDA cores, no FlashAttention, no CUDA graphs; pass --dtype bfloat16 unless float32 is "
+            "meant (master weights and the loss's head stay float32 either way)")
 
 
 def fsdp_shard_size(requested: int, world_size: int) -> int:
