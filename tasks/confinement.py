@@ -30,7 +30,7 @@ CPU_POLL_S = 0.02  # how often the init sums the CPU time of the namespace's pro
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP = 0x10000000, 0x20000000, 0x40000000, 0x02000000
 NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
@@ -405,7 +405,7 @@ def _watch(init: int, deadline: float, group: bool) -> str | None:
         os.close(pidfd)
 
 
-def _unisolated_user(config: dict) -> int:
+def _unisolated_user(config: dict) -> None:
     """Without namespaces: a root trainer still runs the code as the unprivileged user where it can reach the
     interpreter; the process limit counts every process of that user."""
     uid = os.geteuid()
@@ -417,7 +417,6 @@ def _unisolated_user(config: dict) -> int:
         os.setresuid(uid, uid, uid)
     os.chdir(config["workdir"])
     set_limits(config, processes=_tasks_of_user(uid) + config["max_processes"] + 2)
-    return uid
 
 
 def _reachable_by_others(path: str) -> bool:
