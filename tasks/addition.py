@@ -16,12 +16,12 @@ class AdditionTask(Task):
         self.digits = digits
         self.test = addition_examples(num_test, digits, random.Random(test_seed))
         held_out = {addition_operands(example.prompt) for example in self.test}
-        rng = random.Random(test_seed + 1)
+        rng, high = random.Random(test_seed + 1), 10**digits - 1
         self.train = []
-        while len(self.train) < num_train:
-            example = addition_examples(1, digits, rng)[0]
-            if addition_operands(example.prompt) not in held_out:
-                self.train.append(example)
+        while len(self.train) < num_train:  # the draws of addition_examples, one pair at a time, kept when not held out
+            a, b = rng.randint(0, high), rng.randint(0, high)
+            if (min(a, b), max(a, b)) not in held_out:
+                self.train.append(Example(prompt=f"{a}+{b}=", answer=str(a + b)))
 
     def reward(self, completion: str, example: Example) -> float:
         return float(completion.strip() == example.answer)

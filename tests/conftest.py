@@ -18,6 +18,9 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# No hub here: a name that is not a local path fails at once, in this process too (a test of a bad path would
+# otherwise wait out the hub's retries, about 20 s). Read by huggingface_hub when it is imported, after this.
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 # Small GRPO settings that still exercise every phase (2 ranks x 8 prompts x 4 generations, 2 micro-batches).
 SMALL_GRPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16",
               "--num-eval-prompts", "64", "--eval-every", "2", "--total-steps", "4", "--save-every", "2",
@@ -34,8 +37,7 @@ def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600)
 
 
 def script_env() -> dict[str, str]:
-    return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",  # no hub here: fail at once instead of retrying
+    return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1",  # the hub is off (above)
             "OMP_NUM_THREADS": "1",  # as torchrun sets it; two threads per process crawl on a busy 2-core machine
             "PYTHONPATH": str(ROOT)}  # for the workers under tests/
 
