@@ -3,7 +3,6 @@ carries gloo for CPU tensors and NCCL for CUDA tensors (`cpu:gloo,cuda:nccl`); t
 shards) go through NCCL, bookkeeping (statistics, counts, flags, objects) stays on the CPU and goes through gloo, so
 it never forces a device round trip and is valid on every backend."""
 
-import atexit
 import contextlib
 import datetime
 import os
@@ -186,19 +185,6 @@ def end(status: int) -> None:
     for number in STOP_SIGNALS_CAUGHT:
         signal.signal(number, signal.SIG_IGN)
     sys.exit(status)
-
-
-def leave(status: int) -> None:
-    """The last call of a process whose run is over, its files written and closed, its process group left: the exit
-    handlers run, the output is flushed, and the interpreter's own teardown is skipped. Once vLLM is imported, that
-    teardown (freeing every module's objects one by one) takes about 2 s per process, which every run paid at its
-    end."""
-    for number in STOP_SIGNALS_CAUGHT:
-        signal.signal(number, signal.SIG_IGN)
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def in_brief(error: BaseException) -> str:

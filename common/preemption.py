@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.distributed import STOP_SIGNALS_CAUGHT, fail, leave
+from common.distributed import STOP_SIGNALS_CAUGHT, end, fail
 from common.tracking import resume_command
 
 EXIT_PREEMPTED = 3
@@ -92,4 +92,4 @@ def preempted(signal_name: str, step: int, checkpoint: Path, rank: int, record: 
                                 "checkpoint": os.path.abspath(checkpoint), "resume_command": command})
         print(f"preempted by {signal_name} after step {step}, checkpoint written; resume with: {command}", flush=True)
     shut_down()
-    leave(EXIT_PREEMPTED)
+    end(EXIT_PREEMPTED)

@@ -12,6 +12,7 @@ import gc
 import importlib.util
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from common.distributed import (
     check_shared_filesystem,
     fail,
     init_distributed,
-    leave,
     local_world_size,
     nccl_record,
     open_file_limits,
@@ -218,7 +218,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
                  eos_ids, templated, pad_id, resume_dir, resume_state, layout, lora_base)
     if layout is not None and layout.is_rollout:
         serve_rollouts(run)
-        leave(0)
+        sys.exit(0)
     return run
 
 
@@ -336,4 +336,3 @@ def finish(run: LLMRun, engine: object, tracker: RunTracker, policy: torch.nn.Mo
     get_logger(run.rank).info(f"done: held-out greedy accuracy {metrics.get('eval/accuracy', float('nan')):.4f}, "
                               f"parameters sha256 {final_hash[:16]}")
     shut_down(run, engine, tracker)
-    leave(0)

@@ -14,8 +14,8 @@ import torch
 from common.distributed import (
     all_gather_rows,
     all_ranks_ok,
+    end,
     keeping_trainer_nccl_env,
-    leave,
     reduce_stats,
     run_before_leaving,
 )
@@ -292,5 +292,5 @@ def serve_rollouts(run: LLMRun) -> None:
             step_boundary(None, layout.world, engine.close)  # the trainers wrote their checkpoint, or failed to
         if stopping:
             engine.close()
-            leave(EXIT_PREEMPTED)
+            end(EXIT_PREEMPTED)
     engine.close()
