@@ -117,6 +117,19 @@ def dropout_model(directory: Path) -> Path:
 
 
 @pytest.fixture
+def vllm_cpu_tensor_parallel():
+    """Held by a test whose vLLM-CPU engine spans two ranks (--vllm-tp 2). vLLM-CPU names that group's shared memory
+    the same in every run on a machine (/dev/shm/-tp:0-[0-1]-cpushm_*), so two such engines at once, in the two pytest
+    workers of `make test`, collide (errno 17): a file lock across the workers."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / "rl-tests-vllm-cpu-tensor-parallel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture
 def world_of_one(monkeypatch):
     """A gloo group of one process, as plain `python script.py` creates it (on a fresh port each time)."""
     import torch.distributed as dist  # here: some tests run as scripts (tests/ first on the path, not the repo)

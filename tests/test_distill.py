@@ -75,16 +75,12 @@ def test_a_bad_teacher_stops_every_rank_before_any_engine(tmp_path: Path):
     assert "Initializing" not in result.stdout + result.stderr and not (tmp_path / "runs").exists()
 
 
-def test_distillation_gives_the_same_bits_twice_and_after_a_resume(tmp_path: Path):
-    """Colocated on 2 ranks: twice to the same bytes, and resumed from step 2 to the same bytes; the teacher is
-    better than the student, so the reward is not zero and the weights move."""
-    runs = []
-    for name in ("first", "second"):
-        check(run_script("distill_llm.py", [*SHORT, "--run-root", str(tmp_path / name)], nproc=2))
-        runs.append(only_run_dir(tmp_path / name))
-    first, second = runs
-    assert (first / "metrics.jsonl").read_bytes() == (second / "metrics.jsonl").read_bytes()
-    assert final_hash(first) == final_hash(second)
+def test_distillation_resumes_to_the_same_bits(tmp_path: Path):
+    """Colocated on 2 ranks, resumed from step 2: steps 3 and 4 computed again in fresh processes (student and teacher
+    loaded anew) give the same bytes and final weights; the teacher is better than the student, so the reward is not
+    zero and the weights move. (Two fresh runs to the same bytes: GRPO's test_reproducibility, with the same head.)"""
+    check(run_script("distill_llm.py", [*SHORT, "--run-root", str(tmp_path / "first")], nproc=2))
+    first = only_run_dir(tmp_path / "first")
     steps = [m for m in read_metrics(first) if m["step"]]
     assert all(m["train/reverse_kl"] != 0 and m["train/grad_norm"] > 0 for m in steps)
     reference, reference_hash = (first / "metrics.jsonl").read_bytes(), final_hash(first)

@@ -259,7 +259,8 @@ def test_every_loss_option_runs_under_torchrun(tmp_path: Path):
     assert metrics[3]["train/learning_rate"] < metrics[2]["train/learning_rate"]  # cosine decay
 
 
-def test_tensor_parallel_vllm_groups_at_temperature_07(grpo_reference_run: Path, tmp_path: Path):
+def test_tensor_parallel_vllm_groups_at_temperature_07(grpo_reference_run: Path, tmp_path: Path,
+                                                      vllm_cpu_tensor_parallel: None):
     """--vllm-tp 2: both ranks share one engine; each must get back the completions of its own prompts, so greedy
     held-out accuracy equals the tp=1 run's. At temperature 0.7 the engine's logprobs must be those of the
     temperature-scaled distribution the trainer computes (raw logprobs would be off by far more than 1e-3)."""

@@ -178,15 +178,12 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return only_run_dir(run_root)
 
 
-def test_lora_grpo_gives_the_same_bits_twice_and_after_a_resume(lora_run: Path, tmp_path: Path):
+def test_lora_grpo_resumes_to_the_same_bits(lora_run: Path, tmp_path: Path):
+    """Resumed from step 2: steps 3 and 4 computed again in fresh processes (adapters loaded from the checkpoint,
+    served to a new engine) give the same bytes and final weights."""
     steps = [m for m in read_metrics(lora_run) if m["step"]]
     assert all(m["train/grad_norm"] > 0 for m in steps) and steps[-1]["train/kl"] > 0  # it moved from the reference
     assert all(m["mismatch/logprob_abs_diff_mean"] < 1e-4 for m in steps)  # the engine serves what trained
-    check(run_script("grpo_llm.py", [*SHORT, *LORA, "--beta", "0.04", "--export-merged", "--run-root",
-                                     str(tmp_path / "again")], nproc=2))
-    again = only_run_dir(tmp_path / "again")
-    assert filecmp.cmp(again / "metrics.jsonl", lora_run / "metrics.jsonl", shallow=False)
-    assert final(again)["parameter_sha256"] == final(lora_run)["parameter_sha256"]
     copy = tmp_path / "copy"
     shutil.copytree(lora_run, copy)
     check(run_script("grpo_llm.py", [*SHORT, *LORA, "--beta", "0.04", "--export-merged", "--resume",
