@@ -219,7 +219,12 @@ def _write_id_maps(uid: int, gid: int) -> None:
 def enter_namespaces(config: dict) -> None:
     """The monitor: new namespaces (its next child is PID 1 of the new PID namespace). A root trainer's stay owned by
     the host's user namespace until the init has built the root: its user namespace comes last, so the mounts are
-    locked in it (they cannot be undone from inside)."""
+    locked in it (they cannot be undone from inside).
+
+    The process limit is set in the call's own user namespace, after it exists: RLIMIT_NPROC counts the processes of
+    one user in one user namespace, and a new user namespace takes its creator's RLIMIT_NPROC as the bound of that
+    user's processes in the parent namespace (kernel/user_namespace.c, enforced_nproc_rlimit). Lowered before the
+    unshare, it would bound every call's processes of the same user together."""
     if config["simulate_no_namespaces"]:
         raise SetupError("unshare(CLONE_NEWUSER): Operation not permitted (errno 1) [simulated]")
     if os.geteuid() == 0:
@@ -228,6 +233,7 @@ def enter_namespaces(config: dict) -> None:
         uid, gid = os.geteuid(), os.getegid()
         _call("unshare(CLONE_NEWUSER|...)", LIBC.unshare(NAMESPACES))
         _write_id_maps(uid, gid)
+        _limit(resource.RLIMIT_NPROC, config["max_processes"] + 2)  # this process, the init and the code's
 
 
 def confine_init(config: dict) -> None:
@@ -244,6 +250,7 @@ def confine_init(config: dict) -> None:
         _prctl("prctl(PR_SET_DUMPABLE)", PR_SET_DUMPABLE, 1)  # the uid change cleared it; /proc/self needs it
         _call("unshare(CLONE_NEWUSER|CLONE_NEWNS)", LIBC.unshare(CLONE_NEWUSER | CLONE_NEWNS))
         _write_id_maps(uid, uid)
+        _limit(resource.RLIMIT_NPROC, config["max_processes"] + 1)  # this process and the code's (enter_namespaces)
     with open("/proc/sys/user/max_user_namespaces", "w") as limit:  # this user namespace's own limit
         limit.write("0")
     _read_only("/proc", True, recursive=False)
@@ -339,14 +346,11 @@ def main() -> None:
     started = time.monotonic()
     try:
         _join_fresh_keyring()
-        set_limits(config, processes=None)  # the process limit waits: outside a user namespace it counts the
-        # trainer's threads too
+        set_limits(config, processes=None)  # the process limit waits for the call's user namespace
         if config["isolated"]:
             enter_namespaces(config)
         else:
             _unisolated_user(config)
-        if config["isolated"]:
-            set_limits(config, processes=config["max_processes"] + 2)  # this process and the init
     except (SetupError, OSError, ValueError) as error:
         _report({"setup_error": str(error)})
         os._exit(2)

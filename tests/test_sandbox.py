@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -531,3 +532,57 @@ def test_as_a_non_root_trainer():
     assert results["forge"][0] == "error" and "forged" not in results["forge"][1] and "[exit code 3]" in \
         results["forge"][1]
     assert results["cpu"][0] == "timeout" and "CPU limit" in results["cpu"][1]
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(name))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children_of(parent)]
+        found += frontier
+    return found
+
+
+@needs_namespaces
+def test_concurrent_calls_each_have_their_own_process_budget(shared_dir):
+    """One call holds every process it may run while rounds of ten benign calls run side by side: each call's process
+    limit counts its own processes only (RLIMIT_NPROC is charged per user namespace, and each call has its own)."""
+    release = os.path.join(shared_dir, "release")
+    holder = small(wall_seconds=120.0, read_only_paths=(shared_dir,))
+    hold = ("import os, time\nread, write = os.pipe()\nheld = 1\nwhile True:\n    try:\n        pid = os.fork()\n"
+            "    except BlockingIOError:\n        break\n    if pid == 0:\n        os.close(write)\n"
+            "        os.read(read, 1)\n        os._exit(0)\n    held += 1\n"
+            f"while not os.path.exists({release!r}):\n    time.sleep(0.05)\nprint('held', held)")
+    held: list[SandboxResult] = []
+    holding = threading.Thread(target=lambda: held.append(holder.run(hold)))
+    holding.start()
+    busy = lambda: [len(descendants(monitor)) for monitor in children_of(os.getpid())]  # noqa: E731
+    while max(busy(), default=0) < holder.max_processes + 1 and holding.is_alive():  # the init and every process
+        time.sleep(0.05)
+    sandbox = small()
+    started = time.monotonic()
+    try:
+        with ThreadPoolExecutor(10) as pool:
+            for round_ in range(20):
+                codes = [f"import time\ntime.sleep(0.3)\nprint({round_ * 10 + i})" for i in range(10)]
+                results = list(pool.map(sandbox.run, codes))
+                assert [(r.status, r.output) for r in results] == [("ok", f"{round_ * 10 + i}\n") for i in range(10)], \
+                    (round_, [r.text for r in results])
+                assert holding.is_alive()
+    finally:
+        print(f"20 rounds of 10 concurrent calls: {time.monotonic() - started:.1f} s")
+        Path(release).touch()
+        holding.join()
+        os.unlink(release)
+    assert (held[0].status, held[0].output) == ("ok", f"held {holder.max_processes}\n"), held[0].text
