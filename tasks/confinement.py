@@ -2,14 +2,18 @@
 light imports: a pre-started one waits on its standard input for one call). Three processes per call:
 
 - the monitor (this program): reads the call's configuration and code as one line from standard input (never argv),
-  joins a fresh session keyring, builds the allow-listed root and enters the namespaces, forks the init, enforces the
-  wall clock, and writes the call's one-line report to fd 3. It is outside the code's PID namespace, so the code
-  cannot name it; fd 3 exists nowhere else. It stops the call early when its standard input is closed or written to;
-- the init, PID 1 of the new PID namespace: mounts its /proc, makes itself non-dumpable (its /proc/1/fd is closed to
-  the code), reaps every process, sums the CPU time of all of them (the total bound) and tells the monitor how the code
-  ended over a pipe the code never holds. Its exit kills every process left in the namespace;
-- the code's process: its own session, the stop signals ignored (a scheduler's SIGUSR1 to the job must not change a
-  call's result), no capabilities, no_new_privs, the seccomp filter, then the code.
+  joins a fresh session keyring, opens the call's cgroup CPU counter if it has one, enters the namespaces, forks the
+  init, enforces the wall clock, and writes the call's one-line report to fd 3. It is outside the code's PID
+  namespace, so the code cannot name it; fd 3 exists nowhere else. It stops the call early when its standard input is
+  closed or written to;
+- the init, PID 1 of the new PID namespace: builds the allow-listed root and mounts its /proc, makes itself
+  non-dumpable (its /proc/1/fd is closed to the code), reaps every process, bounds the CPU time of all of them (the
+  cgroup's counter, else its own sum) and tells the monitor how the code ended over a pipe the code never holds;
+  nothing it writes reaches the code's output. It dies with the monitor (a parent-death signal), and its exit kills
+  every process left in the namespace;
+- the code's process: its own session and process group (kill(0, ...) reaches neither the monitor nor the init), the
+  stop signals ignored (a scheduler's SIGUSR1 to the job must not change a call's result), no capabilities,
+  no_new_privs, the seccomp filter, then the code.
 
 Status lines from the init: `exit <wait status> <cpu seconds>` or `cpu <cpu seconds>` (the total CPU bound hit)."""
 
@@ -42,7 +46,7 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 
 # The seccomp filter: EPERM for these (the parts of the kernel production sandboxes switch off, and what would undo
 # the bounds: SysV and POSIX message queues and memfd hold memory no rlimit counts; a /dev/shm of 1 MiB serves
-# multiprocessing's semaphores and shared_memory).
+# multiprocessing's semaphores and shared_memory; modify_ldt is x86's old segment table, which nothing here uses).
 DENIED_SYSCALLS = (
     "io_uring_setup", "io_uring_enter", "io_uring_register", "perf_event_open", "userfaultfd", "bpf",
     "add_key", "request_key", "keyctl", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
@@ -52,12 +56,23 @@ DENIED_SYSCALLS = (
     "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "unshare", "setns", "chroot", "name_to_handle_at",
     "open_by_handle_at", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "acct",
     "swapon", "swapoff", "reboot", "syslog", "quotactl", "lookup_dcookie", "vhangup", "iopl", "ioperm",
-    "fanotify_init", "personality")
+    "fanotify_init", "personality", "modify_ldt")
+# System calls newer than the list above get ENOSYS, as from a kernel without them: every number past rseq (the last
+# one before Linux 5.1 gave all architectures the same numbers from 424 on) up to SYSCALL_NUMBERS_END, except these,
+# read through up to Linux 6.18 (424 and up: the same number on every architecture). A system call added later stays
+# refused until someone reads what it does; a deny list alone let open_tree_attr (467, Linux 6.15) through.
+REVIEWED_NEW_SYSCALLS = {424: "pidfd_send_signal", 434: "pidfd_open", 436: "close_range", 437: "openat2",
+                         439: "faccessat2", 441: "epoll_pwait2", 449: "futex_waitv", 452: "fchmodat2",
+                         453: "map_shadow_stack", 454: "futex_wake", 455: "futex_wait", 456: "futex_requeue",
+                         462: "mseal", 463: "setxattrat", 464: "getxattrat", 465: "listxattrat", 466: "removexattrat"}
+SYSCALL_NUMBERS_END = 600  # room for about 90 new system calls past 6.18's 469 (512-547 are x86-64's x32 numbers)
 ALLOWED_SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6 (with no network those are inert)
 SOCKET_FAMILIES_END = 64  # past AF_MAX: one rule for everything at or above it
 SCMP_ACT_ALLOW, SCMP_ACT_ERRNO = 0x7FFF0000, 0x00050000
-SCMP_CMP_EQ, SCMP_CMP_GE, SCMP_CMP_MASKED_EQ = 4, 5, 7
+SCMP_CMP_NE, SCMP_CMP_EQ, SCMP_CMP_GE, SCMP_CMP_MASKED_EQ = 1, 4, 5, 7
+INT_BITS = 0xFFFFFFFF  # an int argument is compared in its low 32 bits: the kernel ignores the rest
 EPERM, ENOSYS = 1, 38
+SOL_SOCKET, SOCKET_BUFFER_OPTIONS = 1, (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
 
 
 class SetupError(Exception):
@@ -270,9 +285,16 @@ def drop_capabilities() -> None:
 
 
 def install_seccomp() -> None:
-    """The filter of DENIED_SYSCALLS, clone with a namespace flag, clone3 (ENOSYS: the C library falls back to clone,
-    whose flags a filter can read) and sockets outside ALLOWED_SOCKET_FAMILIES, through the system's libseccomp.
-    Another architecture's system calls (x32, i386) kill the process (libseccomp's default for them)."""
+    """The filter, through the system's libseccomp: EPERM for DENIED_SYSCALLS, clone with a namespace flag, sockets
+    outside ALLOWED_SOCKET_FAMILIES, and for what would undo a bound:
+    - socket buffers past the system's default size (SO_SNDBUF and the like): unix sockets hold their queued data in
+      kernel memory that no rlimit counts, up to net.core.wmem_max per socket (4 MiB, doubled, on our machines; the
+      sysctl is the host's, not a network namespace's own);
+    - another process's limits and scheduling (prlimit64, setpriority, sched_set*): the init, of the same user, would
+      be the target.
+    ENOSYS for clone3 (the C library falls back to clone, whose flags a filter can read) and for the system calls
+    newer than this filter (REVIEWED_NEW_SYSCALLS). Another architecture's system calls (x32, i386) kill the process
+    (libseccomp's default for them)."""
     try:
         seccomp = ctypes.CDLL("libseccomp.so.2")
     except OSError as error:
@@ -288,19 +310,30 @@ def install_seccomp() -> None:
     if not context:
         raise SetupError("seccomp: seccomp_init failed")
 
-    def deny(name: str, errno: int = EPERM, *comparisons: tuple[int, int, int, int]) -> None:
-        number = seccomp.seccomp_syscall_resolve_name(name.encode())
+    ruled: set[int] = set()
+
+    def deny(name: str | int, errno: int = EPERM, *comparisons: tuple[int, int, int, int]) -> None:
+        number = name if isinstance(name, int) else seccomp.seccomp_syscall_resolve_name(name.encode())
         if number < 0:
             return  # not a system call of this architecture
         array = (_ArgCompare * max(1, len(comparisons)))(*comparisons)
         result = seccomp.seccomp_rule_add_array(context, SCMP_ACT_ERRNO | errno, number, len(comparisons), array)
         if result < 0:
             raise SetupError(f"seccomp: a rule for {name} failed ({os.strerror(-result)})")
+        ruled.add(number)
 
     try:
         for name in DENIED_SYSCALLS:
             deny(name)
         deny("clone3", ENOSYS)
+        deny("prlimit64", EPERM, (0, SCMP_CMP_NE, 0, 0), (2, SCMP_CMP_NE, 0, 0))  # reading another's limits is fine
+        for name in ("sched_setscheduler", "sched_setparam", "sched_setattr"):
+            deny(name, EPERM, (0, SCMP_CMP_NE, 0, 0))
+        deny("setpriority", EPERM, (0, SCMP_CMP_NE, 0, 0))  # PRIO_PROCESS only,
+        deny("setpriority", EPERM, (1, SCMP_CMP_NE, 0, 0))  # of the caller itself (os.nice)
+        for option in SOCKET_BUFFER_OPTIONS:
+            deny("setsockopt", EPERM, (1, SCMP_CMP_MASKED_EQ, INT_BITS, SOL_SOCKET),
+                 (2, SCMP_CMP_MASKED_EQ, INT_BITS, option))
         for flag in (CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET,
                      CLONE_NEWCGROUP):
             deny("clone", EPERM, (0, SCMP_CMP_MASKED_EQ, flag, flag))
@@ -309,6 +342,12 @@ def install_seccomp() -> None:
                 if family not in ALLOWED_SOCKET_FAMILIES:
                     deny(name, EPERM, (0, SCMP_CMP_EQ, family, 0))
             deny(name, EPERM, (0, SCMP_CMP_GE, SOCKET_FAMILIES_END, 0))
+        last_old = seccomp.seccomp_syscall_resolve_name(b"rseq")
+        if last_old < 0:
+            raise SetupError("seccomp: this libseccomp does not know rseq")
+        for number in range(last_old + 1, SYSCALL_NUMBERS_END):
+            if number not in ruled and number not in REVIEWED_NEW_SYSCALLS:
+                deny(number, ENOSYS)
         result = seccomp.seccomp_load(context)
         if result < 0:
             raise SetupError(f"seccomp: loading the filter failed ({os.strerror(-result)})")
@@ -344,8 +383,11 @@ def main() -> None:
         os.dup2(config["report_fd"], REPORT_FD)
         os.close(config["report_fd"])
     started = time.monotonic()
+    usage = None
     try:
         _join_fresh_keyring()
+        if config["cpu_usage_file"]:  # while the host's cgroup file system is still in reach
+            usage = os.open(config["cpu_usage_file"], os.O_RDONLY)
         set_limits(config, processes=None)  # the process limit waits for the call's user namespace
         if config["isolated"]:
             enter_namespaces(config)
@@ -355,11 +397,15 @@ def main() -> None:
         _report({"setup_error": str(error)})
         os._exit(2)
     status_read, status_write = os.pipe()
+    alive = os.pidfd_open(os.getpid())  # readable once this process is gone: the init looks after its last uid change
     init = os.fork()
     if init == 0:
         os.close(status_read)
         os.close(REPORT_FD)
-        _init(config, code, status_write)
+        _init(config, code, status_write, alive, usage)
+    os.close(alive)
+    if usage is not None:
+        os.close(usage)
     os.close(status_write)
     os.close(1)  # the output pipe's ends are only the code's now: its EOF means every process of the call is gone
     os.close(2)
@@ -446,26 +492,36 @@ def _tasks_of_user(uid: int) -> int:
     return count
 
 
-def _init(config: dict, code: str, status_write: int) -> None:
+def _init(config: dict, code: str, status_write: int, monitor: int, usage: int | None) -> None:
     """PID 1 of the new namespace (or, unisolated, the code's parent): start the code, reap everything, bound the
-    total CPU, tell the monitor how the code ended."""
+    total CPU, tell the monitor how the code ended. It dies with the monitor: the parent-death signal is armed after
+    the last change of its user ids (which clears it: kernel/cred.c, commit_creds), and a monitor already gone by then
+    shows on its pidfd. `usage` is the call's cgroup CPU counter, or None."""
     isolated = config["isolated"]
     try:
         if isolated:
-            _prctl("prctl(PR_SET_PDEATHSIG)", PR_SET_PDEATHSIG, signal.SIGKILL)  # the monitor is single-threaded
             confine_init(config)
+            _prctl("prctl(PR_SET_PDEATHSIG)", PR_SET_PDEATHSIG, signal.SIGKILL)  # the monitor is single-threaded
+            if select.select([monitor], [], [], 0)[0]:
+                os._exit(2)
         else:
             os.setsid()  # the code's process group is this one: the monitor's kill reaches every process in it
             _prctl("prctl(PR_SET_NO_NEW_PRIVS)", PR_SET_NO_NEW_PRIVS, 1)
+        os.close(monitor)
         if config["seccomp"]:
             install_seccomp()  # here, so that the init is filtered too; the code inherits it
+        before = _cgroup_cpu(usage) - _own_cpu() if usage is not None else 0.0  # the monitor's and this setup's
+        child = os.fork()
     except (SetupError, OSError) as error:
         os.write(status_write, f"setup_error {str(error).encode().hex()}\n".encode())
         os._exit(2)
-    child = os.fork()
     if child == 0:
         os.closerange(3, 1 << 20)  # the status pipe first: the code never holds a way to the report
-        _code_process(code)
+        _code_process(code, isolated)
+    null = os.open("/dev/null", os.O_WRONLY)  # nothing of this process reaches the code's output, not even a crash
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
     cpu_limit = config["cpu_seconds"]
     while True:
         try:
@@ -473,11 +529,11 @@ def _init(config: dict, code: str, status_write: int) -> None:
         except ChildProcessError:
             pid, wait_status = 0, 0
         if pid == child:
-            os.write(status_write, f"exit {wait_status} {_cpu_total(isolated, None):.3f}\n".encode())
+            os.write(status_write, f"exit {wait_status} {_cpu_total(isolated, None, usage, before):.3f}\n".encode())
             break
         if pid:
             continue  # an orphan reaped: look again at once
-        total = _cpu_total(isolated, child)
+        total = _cpu_total(isolated, child, usage, before)
         if total > cpu_limit:
             os.write(status_write, f"cpu {total:.3f}\n".encode())
             break
@@ -487,11 +543,28 @@ def _init(config: dict, code: str, status_write: int) -> None:
     os._exit(0)  # as PID 1, its exit kills what the code left running
 
 
-def _cpu_total(isolated: bool, child: int | None) -> float:
-    """CPU seconds of every process of the call: the children this init reaped, plus, for each one alive, its own and
-    its reaped children's (each process's time is counted once: in its parent's total or alive)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    total = usage.ru_utime + usage.ru_stime
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cgroup_cpu(usage: int) -> float:
+    """CPU seconds of every process the call's cgroup leaf has held, alive, reaped or reaped by the kernel: v1's
+    cpuacct.usage (nanoseconds) or v2's cpu.stat (its first line, usage_usec)."""
+    words = os.pread(usage, 4096, 0).split()
+    return int(words[1]) / 1e6 if words[0] == b"usage_usec" else int(words[0]) / 1e9
+
+
+def _cpu_total(isolated: bool, child: int | None, usage: int | None, before: float) -> float:
+    """CPU seconds of every process of the call. With a cgroup: its counter, less what the monitor and this init
+    used before the code started and what this init used since. Without: the children this init reaped, plus, for
+    each one alive, its own and its reaped children's (each process's time is counted once: in its parent's total or
+    alive). Not counted: the processes the kernel reaps (their parent ignores SIGCHLD or set SA_NOCLDWAIT), whose
+    time is added to no parent's (kernel/exit.c: exit_notify releases them without wait_task_zombie's sum)."""
+    if usage is not None:
+        return _cgroup_cpu(usage) - _own_cpu() - before
+    usage_of_children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = usage_of_children.ru_utime + usage_of_children.ru_stime
     pids = [name for name in os.listdir("/proc") if name.isdigit() and name != "1"] if isolated else \
         ([str(child)] if child else [])
     ticks = os.sysconf("SC_CLK_TCK")
@@ -505,7 +578,9 @@ def _cpu_total(isolated: bool, child: int | None) -> float:
     return total
 
 
-def _code_process(code: str) -> None:
+def _code_process(code: str, isolated: bool) -> None:
+    if isolated:
+        os.setsid()  # its own process group: kill(0, ...) reaches none of the monitor's (unisolated: the init's group)
     null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)

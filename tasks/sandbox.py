@@ -11,13 +11,24 @@ one starts while this one runs, which hides the interpreter's start-up. What the
   as its own user mapped to itself. No capabilities, no_new_privs, no nested user namespaces;
 - a seccomp filter (the system's libseccomp through ctypes): io_uring, perf_event_open, userfaultfd, bpf, the
   keyring, ptrace, process_vm_*, pidfd_getfd, SysV and POSIX message-queue IPC, memfd, the mount family,
-  unshare/setns, clone with namespace flags and sockets other than AF_UNIX/AF_INET/AF_INET6 get EPERM;
-- a fresh session keyring; the stop signals ignored (a scheduler's SIGUSR1 does not change a call's result);
-- bounds: wall clock (the monitor, outside the code's reach, kills the namespace), CPU time summed over all its
-  processes (its init), output (read here incrementally), processes, open files, file size, and memory: in total per
-  call with a cgroup (v2 under $RL_SANDBOX_CGROUP, a delegated directory; v1 when the trainer runs as root with the
-  memory and pids controllers writable), else per process, max_processes x memory_bytes at most (the IPC that no
-  rlimit counts is denied by the filter). `describe()` says which, in the run's manifest and log;
+  unshare/setns, modify_ldt, clone with namespace flags, sockets other than AF_UNIX/AF_INET/AF_INET6, socket buffers
+  past the system's default size, and another process's limits or scheduling (its init's) get EPERM; system calls
+  newer than the filter's review (Linux 6.18) get ENOSYS;
+- its own session and process group, a fresh session keyring; the stop signals ignored (a scheduler's SIGUSR1 does
+  not change a call's result);
+- bounds: wall clock (the monitor, outside the code's reach, kills the namespace), CPU time of all its processes
+  together, output (read here incrementally), processes (its own: each call has its own user namespace, so calls
+  side by side do not share the bound), open files, file size, and memory: in total per call with a cgroup (v2 under
+  $RL_SANDBOX_CGROUP, a delegated directory; v1 when the trainer runs as root with the memory and pids controllers
+  writable), else per process, max_processes x memory_bytes at most (the IPC that no rlimit counts is denied by the
+  filter; socket buffers stay at net.core.wmem_default, about 208 KiB, and a process holds at most max_open_files
+  sockets, its user about as many more in flight over SCM_RIGHTS). The CPU total is the cgroup's counter (v2's
+  cpu.stat; v1 with the cpuacct controller writable), else the init's sum over the processes, which misses the
+  children the kernel reaps (their parent ignores SIGCHLD or set SA_NOCLDWAIT): each of those is bounded by
+  cpu_seconds alone, and the call by its wall clock. `describe()` says which, in the run's manifest and log;
+- nothing of a call outlives its monitor, whatever ends it (the OOM killer, an operator's kill): the init dies with
+  it (a parent-death signal), the namespace with the init, and this side kills whatever is left in the call's cgroup
+  leaves before removing them;
 - its result: one line written by the monitor (outside the code's PID namespace, holding the only descriptor to us),
   from what the init (non-dumpable: its descriptors are closed to the code) saw; anything but one well-formed line
   is a sandbox_error.
@@ -27,7 +38,8 @@ page cache shared with the trainer, timing side channels. A run near its CPU or 
 the same code may finish or be killed. The platform must offer unprivileged user namespaces (or a root trainer) and
 seccomp; without them `check` refuses unless the run passes `--allow-unisolated-tools`, which keeps the rlimits, the
 filter where it loads, a fresh directory and a process-group kill only: the code then sees the network and every
-file its user may read, and a process that leaves the group (setsid) outlives the call."""
+file its user may read, and a process that leaves the group (setsid) outlives the call (so does the whole call when
+its monitor is killed from outside and there is no cgroup)."""
 
 from __future__ import annotations
 
@@ -76,9 +88,21 @@ class SandboxResult:
 
 @dataclass
 class Cgroup:
-    """Where each call's cgroup leaf goes: `parents` (one directory for v2; the memory and pids directories for v1)."""
+    """Where each call's cgroup leaf goes: `parents` (one directory for v2; for v1 the memory and pids directories,
+    then the cpuacct one where it is writable)."""
     version: int
     parents: list[str]
+
+    @property
+    def counts_cpu(self) -> bool:
+        return self.version == 2 or len(self.parents) > 2
+
+    def cpu_usage_file(self, leaves: list[str]) -> str | None:
+        """The file that counts the CPU time of every process the leaf has held, alive or gone: v2's cpu.stat (there
+        without the cpu controller), v1's cpuacct.usage. None: the init sums the processes' own times."""
+        if not self.counts_cpu:
+            return None
+        return os.path.join(leaves[0], "cpu.stat") if self.version == 2 else os.path.join(leaves[2], "cpuacct.usage")
 
     def make_leaf(self, name: str, memory_bytes: int, max_tasks: int) -> list[str]:
         leaves = [os.path.join(parent, name) for parent in self.parents]
@@ -110,7 +134,11 @@ class Cgroup:
 
     @staticmethod
     def remove(leaves: list[str]) -> None:
-        """Remove the leaves once their processes are gone (the kernel frees them a moment after they exit)."""
+        """Kill what is left in the leaves, then remove them once their processes are gone (the kernel frees them a
+        moment after they exit). Called when the monitor is gone: whatever ended it (the OOM killer, an operator's
+        kill), nothing of its call outlives it."""
+        if leaves:
+            _kill_members(leaves[0])
         for leaf in leaves:
             for _ in range(100):
                 try:
@@ -120,6 +148,38 @@ class Cgroup:
                     break
                 except OSError:
                     time.sleep(0.01)
+
+
+def _kill_members(leaf: str) -> None:
+    """SIGKILL every process listed in the leaf until none is. Each one through a pidfd opened before the list that
+    still names it was read: a pid reused meanwhile by a process outside the leaf gets nothing."""
+    for _ in range(100):
+        listed = _members(leaf)
+        if not listed:
+            return
+        handles = []
+        for pid in listed:
+            try:
+                handles.append((pid, os.pidfd_open(pid)))
+            except OSError:
+                continue  # gone already
+        still = set(_members(leaf))
+        for pid, handle in handles:
+            try:
+                if pid in still:
+                    signal.pidfd_send_signal(handle, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(handle)
+        time.sleep(0.01)
+
+
+def _members(leaf: str) -> list[int]:
+    try:
+        return [int(pid) for pid in Path(leaf, "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
 
 
 def _write_control(directory: str, name: str, value: int | str, optional: bool = False) -> None:
@@ -151,23 +211,32 @@ def find_cgroup() -> tuple[Cgroup | None, str | None]:
             enabled = Path(named, "cgroup.subtree_control").read_text().split()
             if not {"memory", "pids"} <= set(enabled):
                 _write_control(named, "cgroup.subtree_control", "+memory +pids")
-            probe = os.path.join(named, f"rl-sandbox-probe-{os.getpid()}")
-            os.mkdir(probe)
-            os.rmdir(probe)
+            _probe(named)
         except OSError as error:
             return None, (f"${CGROUP_VARIABLE}={named} is not a cgroup v2 directory this user can create leaves in "
                           f"with the memory and pids controllers: {error}")
         return Cgroup(2, [named]), None
     try:
-        own = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
+        own = {controller: path for line in Path("/proc/self/cgroup").read_text().splitlines()
+               for _, controllers, path in [line.split(":", 2)] for controller in controllers.split(",")}
         parents = [f"/sys/fs/cgroup/{name}{own[name]}".rstrip("/") for name in ("memory", "pids")]
         for parent in parents:
-            probe = os.path.join(parent, f"rl-sandbox-probe-{os.getpid()}")
-            os.mkdir(probe)
-            os.rmdir(probe)
+            _probe(parent)
     except (OSError, KeyError, ValueError):
         return None, None
+    try:
+        parents.append(f"/sys/fs/cgroup/cpuacct{own['cpuacct']}".rstrip("/"))
+        _probe(parents[-1])
+    except (OSError, KeyError):
+        parents = parents[:2]  # no cgroup counter of the CPU time: the init sums it
     return Cgroup(1, parents), None
+
+
+def _probe(parent: str) -> None:
+    """Raises OSError unless this process can create leaves under `parent`."""
+    probe = os.path.join(parent, f"rl-sandbox-probe-{os.getpid()}")
+    os.mkdir(probe)
+    os.rmdir(probe)
 
 
 @dataclass
@@ -251,7 +320,10 @@ class Sandbox:
                   "delegated cgroup v2 directory for a total bound)")
         isolation = ("namespaces, allow-listed root" if self.isolated else "UNISOLATED (--allow-unisolated-tools)") + \
             (", seccomp filter" if self.seccomp else ", no seccomp filter")
-        return f"{isolation}; memory {memory}; CPU {self.cpu_seconds} s in total, wall clock {self.wall_seconds:g} s"
+        cpu = "the cgroup's count" if cgroup and cgroup.counts_cpu else \
+            "summed over the processes; not counted: children the kernel reaps"
+        return (f"{isolation}; memory {memory}; CPU {self.cpu_seconds} s in total ({cpu}), wall clock "
+                f"{self.wall_seconds:g} s")
 
     def run(self, code: str) -> SandboxResult:
         """Run `code` as a Python program; never raises because of what the code does."""
@@ -308,7 +380,8 @@ class Sandbox:
                 "read_only_paths": [os.path.realpath(path) for path in self.read_only_paths],
                 "isolated": self.isolated, "seccomp": self.seccomp, "unprivileged_uid": self.unprivileged_uid,
                 "simulate_no_namespaces": self.simulate_no_namespaces, "workdir": monitor.workdir,
-                "report_fd": monitor.report_there}
+                "report_fd": monitor.report_there,
+                "cpu_usage_file": self.cgroup().cpu_usage_file(monitor.leaves) if monitor.leaves else None}
 
     def _take(self) -> _Monitor:
         with self._lock:

@@ -7,6 +7,7 @@ runs as nobody); a non-root trainer's path is the same code with the user namesp
 import ctypes
 import json
 import os
+import select
 import signal
 import socket
 import stat
@@ -366,15 +367,20 @@ def test_denied_system_calls_get_eperm():
              "socket AF_VSOCK": "41, 40, 1, 0", "socket AF_NETLINK": "41, 16, 3, 0", "unshare": "272, 0x10000000",
              "setns": "308, 0, 0", "mount": "165, 0, buffer, buffer, 0, 0", "keyctl": "250, 0, -3, 0",
              "clone with CLONE_NEWUSER": "56, 0x10000000 | 17, 0, 0, 0, 0", "clone3": "435, 0, 0",
-             "kcmp": "312, 1, 1, 0, 0, 0", "open_tree": "428, -100, buffer, 1"}
+             "kcmp": "312, 1, 1, 0, 0, 0", "open_tree": "428, -100, buffer, 1", "modify_ldt": "154, 0, buffer, 16",
+             "open_tree_attr": "467, -100, buffer, 1, 0, 0", "an unassigned number": "999"}
+    no_such_call = {"clone3", "open_tree_attr", "an unassigned number"}  # ENOSYS: libc falls back, as on old kernels
     code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nbuffer = ctypes.create_string_buffer(256)\n"
             "pidfd = os.pidfd_open(1)\n"
             + "".join(f"print({name!r}, libc.syscall({arguments}), ctypes.get_errno())\n"
-                      for name, arguments in calls.items()))
+                      for name, arguments in calls.items())
+            + "print('reviewed', libc.syscall(436, 1000, 1001, 0), libc.syscall(439, -100, b'/', 0, 0))")  # close_range
     result = timed(small(), code)[0]
     assert result.status == "ok", result.text
-    for line, name in zip(result.output.splitlines(), calls):
-        assert line == f"{name} -1 {38 if name == 'clone3' else 1}", line  # clone3: ENOSYS, so libc uses clone
+    lines = result.output.splitlines()
+    for line, name in zip(lines, calls):
+        assert line == f"{name} -1 {38 if name in no_such_call else 1}", line
+    assert lines[-1] == "reviewed 0 0"  # close_range and faccessat2: newer than the deny list, and allowed
     assert timed(small(), "import socket\nsocket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()\n"
                           "socket.socketpair()\nprint('inert sockets')")[0].output == "inert sockets\n"
 
@@ -490,24 +496,127 @@ def test_a_named_cgroup_that_cannot_be_used_is_refused(tmp_path, monkeypatch):
     assert not (tmp_path / "nowhere").exists()  # nothing created where it was pointed
 
 
+GROUP_KILL = "import os, signal\nprint('before', flush=True)\nos.kill(0, signal.SIGKILL)"
+GROUP_STOP = "import os, signal\nos.kill(0, signal.SIGSTOP)\nprint('resumed')"
+
+
+@needs_namespaces
+def test_the_codes_process_group_is_its_own():
+    """kill(0, ...) signals the caller's process group: the code's own, never one the monitor or the init is in."""
+    sandbox = small(wall_seconds=1.5)
+    result = timed(sandbox, "import os\nprint(os.getpgid(0) == os.getsid(0) == os.getpid())")[0]
+    assert result.output == "True\n"
+    result = timed(sandbox, GROUP_KILL)[0]
+    assert (result.status, result.text) == ("killed", "before\n[killed by SIGKILL]")
+    result, elapsed = timed(sandbox, GROUP_STOP)
+    assert (result.status, result.text) == ("timeout", "[timeout: killed after 1.5 s wall clock]") and elapsed < 3.0
+    still_works(sandbox)
+
+
+SOCKET_FILL = """
+import fcntl, socket, struct
+sockets, refused = [], 0
+try:
+    while True:
+        sockets += socket.socketpair()
+except OSError:
+    pass  # out of descriptors
+for end in sockets:
+    try:
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 30)
+    except PermissionError:
+        refused += 1
+    end.setblocking(False)
+    try:
+        while True:
+            end.send(bytes(65536))
+    except BlockingIOError:
+        pass
+queued = sum(struct.unpack("i", fcntl.ioctl(end, 0x5411, bytes(4)))[0] for end in sockets)  # SIOCOUTQ
+print(len(sockets), refused, queued)
+"""
+
+
+def check_socket_buffers(status: str, output: str) -> None:
+    """Kernel memory in socket buffers, which no rlimit counts: at the system's default size per socket, since the
+    code cannot raise it."""
+    assert status == "ok", output
+    count, refused, queued = map(int, output.split())
+    default = int(Path("/proc/sys/net/core/wmem_default").read_text())
+    print(f"{count} sockets, {queued / 2**20:.1f} MiB queued")
+    assert count > 50 and refused == count and queued <= count * default * 1.5  # a send passes while under the
+    # buffer's size, and a unix stream's message is up to half of it (net/unix/af_unix.c, unix_stream_sendmsg)
+
+
+@needs_namespaces
+def test_socket_buffers_stay_at_the_default_size():
+    """With a cgroup as without one (test_as_a_non_root_trainer has the negative control)."""
+    result = timed(small(memory_bytes=128 * 2**20, max_open_files=64, wall_seconds=10.0), SOCKET_FILL)[0]
+    check_socket_buffers(result.status, result.output)
+
+
+REAPED_BURNERS = """
+import os, signal, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children: their time is in no parent's total
+for i in range(8):
+    if os.fork() == 0:
+        end = time.process_time() + 0.25
+        while time.process_time() < end:
+            pass
+        os._exit(0)
+    try:
+        os.wait()  # SIGCHLD ignored: returns when the child is gone, with ECHILD
+    except ChildProcessError:
+        pass
+print('done')
+"""
+
+
+@needs_namespaces
+@pytest.mark.skipif(not (find_cgroup()[0] and find_cgroup()[0].counts_cpu),
+                    reason="no cgroup that counts the call's CPU time here")
+def test_cpu_time_of_children_the_kernel_reaps_is_counted():
+    """Eight children of 0.25 CPU-s each, reaped by the kernel: the cgroup's counter has their time."""
+    result, elapsed = timed(small(wall_seconds=15.0), REAPED_BURNERS)
+    assert result.status == "timeout" and "CPU limit of 1 s" in result.text and "done" not in result.output
+
+
+@needs_namespaces
+def test_the_init_is_out_of_the_codes_reach():
+    """The code runs as its init's user, so the kernel would let it lower the init's limits or its priority (and, as
+    PRIO_USER, every process of that user's, other calls' included): the filter refuses all but the code's own."""
+    code = ("import os, resource\n"
+            "for name, call in [('prlimit', lambda: resource.prlimit(1, resource.RLIMIT_NOFILE, (3, 3))),\n"
+            "                   ('renice', lambda: os.setpriority(os.PRIO_PROCESS, 1, 19)),\n"
+            "                   ('renice user', lambda: os.setpriority(os.PRIO_USER, 0, 19)),\n"
+            "                   ('renice group', lambda: os.setpriority(os.PRIO_PGRP, 0, 19)),\n"
+            "                   ('idle', lambda: os.sched_setscheduler(1, os.SCHED_IDLE, os.sched_param(0)))]:\n"
+            "    try:\n        call()\n        print(name, 'done')\n"
+            "    except PermissionError:\n        print(name, 'refused')\n"
+            "print(resource.prlimit(1, resource.RLIMIT_NOFILE), os.getpriority(os.PRIO_PROCESS, 1),"
+            " os.sched_getscheduler(1))\n"
+            "os.nice(1)\nresource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))\n"
+            "print(os.getpriority(os.PRIO_PROCESS, 0), resource.getrlimit(resource.RLIMIT_NOFILE))")
+    result = timed(small(), code)[0]
+    assert result.output == ("prlimit refused\nrenice refused\nrenice user refused\nrenice group refused\n"
+                             "idle refused\n(64, 64) 0 0\n1 (32, 32)\n"), result.text
+    reach = ("import os, resource\nresource.prlimit(1, resource.RLIMIT_CORE, (0, 0))\n"
+             "os.setpriority(os.PRIO_PROCESS, 1, 1)\nprint('reached')")
+    assert timed(small(seccomp=False), reach)[0].output == "reached\n"  # negative control
+
+
 NON_ROOT_CHECKS = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from tasks.sandbox import Sandbox
-sandbox = Sandbox(cpu_seconds=1, wall_seconds=5.0, max_processes=8, memory_bytes=256 * 2**20)
-forge = ("import os\\nfor fd in os.listdir('/proc/1/fd'):\\n    try:\\n"
-         "        os.write(os.open('/proc/1/fd/' + fd, os.O_WRONLY), b'exit 0 0.0\\\\n')\\n        print('forged')\\n"
-         "    except OSError:\\n        pass\\nraise SystemExit(3)")
-calls = {"identity": "import os\\nprint(os.getuid())",
-         "repository": f"print(open({sys.argv[1] + '/README.md'!r}).read())",
-         "io_uring": ("import ctypes\\nlibc = ctypes.CDLL(None, use_errno=True)\\n"
-                      "print(libc.syscall(425, 1, 0), ctypes.get_errno())"),
-         "forge": forge,
-         "cpu": "import os\\nfor i in range(2):\\n    if os.fork() == 0:\\n        break\\nwhile True: pass"}
+limits = {"cpu_seconds": 1, "wall_seconds": 5.0, "max_processes": 8, "memory_bytes": 256 * 2**20}
+sandbox = Sandbox(**limits)
 results = {"problem": sandbox.check(allow_unisolated=False), "describe": sandbox.describe()}
-for name, code in calls.items():
-    result = sandbox.run(code)
-    results[name] = [result.status, result.text[-300:]]
+for name, (code, overrides) in json.loads(sys.argv[2]).items():  # each call: its code, its sandbox's other limits
+    other = Sandbox(**{**limits, **overrides})
+    result = other.run(code)
+    other.close()
+    results[name] = [result.status, result.text[-300:], result.seconds]
 sandbox.close()
 print(json.dumps(results))
 """
@@ -522,16 +631,39 @@ def test_as_a_non_root_trainer():
     by the total CPU limit. Not checked this way: the process bound. The user namespace maps uid 1000 to the host's
     root, whose processes the kernel exempts from RLIMIT_NPROC (a real non-root user is not); a real non-root user
     cannot run this machine's interpreter, which lies under /root."""
+    forge = ("import os\nfor fd in os.listdir('/proc/1/fd'):\n    try:\n"
+             "        os.write(os.open('/proc/1/fd/' + fd, os.O_WRONLY), b'exit 0 0.0\\n')\n        print('forged')\n"
+             "    except OSError:\n        pass\nraise SystemExit(3)")
+    sockets = {"memory_bytes": 128 * 2**20, "max_open_files": 64, "wall_seconds": 10.0, "cpu_seconds": 5}
+    calls = {"identity": ("import os\nprint(os.getuid())", {}),
+             "repository": (f"print(open({REPO + '/README.md'!r}).read())", {}),
+             "io_uring": ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                          "print(libc.syscall(425, 1, 0), ctypes.get_errno())", {}),
+             "forge": (forge, {}),
+             "cpu": ("import os\nfor i in range(2):\n    if os.fork() == 0:\n        break\nwhile True: pass", {}),
+             "group kill": (GROUP_KILL, {}), "group stop": (GROUP_STOP, {"wall_seconds": 1.5}),
+             "socket buffers": (SOCKET_FILL, sockets), "socket buffers unfiltered": (SOCKET_FILL, {**sockets,
+                                                                                                  "seccomp": False})}
     done = subprocess.run(["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c",
-                           NON_ROOT_CHECKS, REPO], capture_output=True, text=True, timeout=300)
+                           NON_ROOT_CHECKS, REPO, json.dumps(calls)], capture_output=True, text=True, timeout=300)
     results = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(results, indent=1))
     assert results["problem"] is None and "namespaces, allow-listed root, seccomp filter" in results["describe"]
-    assert results["identity"] == ["ok", "1000\n"]
+    assert "no cgroup" in results["describe"]  # the paths without one: the per-process bounds
+    assert results["identity"][:2] == ["ok", "1000\n"]
     assert results["repository"][0] == "error" and "FileNotFoundError" in results["repository"][1]
-    assert results["io_uring"] == ["ok", "-1 1\n"]
+    assert results["io_uring"][:2] == ["ok", "-1 1\n"]
     assert results["forge"][0] == "error" and "forged" not in results["forge"][1] and "[exit code 3]" in \
         results["forge"][1]
     assert results["cpu"][0] == "timeout" and "CPU limit" in results["cpu"][1]
+    # The code's own process group: kill(0, ...) reached the monitor, which shares the user (a sandbox_error).
+    assert results["group kill"][:2] == ["killed", "before\n[killed by SIGKILL]"]
+    assert results["group stop"][:2] == ["timeout", "[timeout: killed after 1.5 s wall clock]"]
+    assert results["group stop"][2] < 3.0  # the monitor kept its wall clock: not the trainer's grace past it
+    check_socket_buffers(*results["socket buffers"][:2])
+    unfiltered = int(results["socket buffers unfiltered"][1].split()[2])  # negative control: in one process, past
+    print(f"unfiltered: {unfiltered / 2**20:.1f} MiB queued")  # the memory bound (128 MiB), which counts none of it
+    assert results["socket buffers unfiltered"][0] == "ok" and unfiltered > 128 * 2**20
 
 
 def children_of(pid: int) -> list[int]:
@@ -586,3 +718,57 @@ def test_concurrent_calls_each_have_their_own_process_budget(shared_dir):
         holding.join()
         os.unlink(release)
     assert (held[0].status, held[0].output) == ("ok", f"held {holder.max_processes}\n"), held[0].text
+
+
+def cgroup_leaves_of(pid: int) -> list[str]:
+    """The sandbox's cgroup leaves `pid` is in: the leaf's name under each of the cgroup's parents."""
+    cgroup = find_cgroup()[0]
+    names = {os.path.basename(line.split(":", 2)[2]) for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+             if "rl-sandbox-" in line}
+    return [os.path.join(parent, name) for parent in cgroup.parents for name in names] if cgroup else []
+
+
+@needs_namespaces
+def test_nothing_of_a_call_outlives_its_monitor():
+    """The monitor SIGKILLed mid-call (the OOM killer, an operator): its init dies by the parent-death signal, armed
+    after the uid change that clears it, and the namespace with it; the trainer's side kills what is left in the
+    call's cgroup leaves and removes them. The call reads sandbox_error at once, not at its wall clock."""
+    sandbox = small(wall_seconds=30.0, cpu_seconds=5)
+    tag = f"{time.time_ns() % 10**6 + 10**6}"
+    code = (f"import subprocess, time\nsubprocess.Popen(['sleep', '{tag}.1'])\n"
+            f"subprocess.Popen(['sleep', '{tag}.2'])\ntime.sleep(30)")
+    results: list[SandboxResult] = []
+    calling = threading.Thread(target=lambda: results.append(sandbox.run(code)))
+    calling.start()
+    waited, monitor, members = time.monotonic() + 10, 0, []
+    while len(members) < 4 and time.monotonic() < waited:  # the init, the code and its two sleeps
+        for candidate in children_of(os.getpid()):  # the call's monitor, or a pre-started one
+            below = descendants(candidate)
+            if len(below) > len(members):
+                monitor, members = candidate, below
+        time.sleep(0.05)
+    leaves = cgroup_leaves_of(monitor)
+    assert bool(leaves) == (find_cgroup()[0] is not None) and all(os.path.isdir(leaf) for leaf in leaves)
+    handles = [os.pidfd_open(pid) for pid in [monitor, *members]]
+    os.kill(monitor, signal.SIGKILL)
+    killed = time.monotonic()
+    calling.join(timeout=40)
+    assert results[0].status == "sandbox_error" and time.monotonic() - killed < 3, (results, time.monotonic() - killed)
+    ended = [bool(select.select([handle], [], [], 2.0)[0]) for handle in handles]  # readable: the process has ended
+    for handle in handles:
+        os.close(handle)
+    assert all(ended) and processes_with(f"sleep {tag}") == []
+    assert not any(os.path.exists(leaf) for leaf in leaves)
+    still_works(sandbox)
+
+
+@needs_cgroup
+def test_a_leaf_is_emptied_before_it_is_removed():
+    """The trainer's side of a dead monitor: whatever is still in a call's leaves is killed, then the leaves go."""
+    cgroup = find_cgroup()[0]
+    leaves = cgroup.make_leaf(f"rl-sandbox-test-{uuid.uuid4().hex[:8]}", 64 * 2**20, 8)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    cgroup.join(leaves, sleeper.pid)
+    cgroup.remove(leaves)
+    assert sleeper.wait(timeout=5) == -signal.SIGKILL
+    assert not any(os.path.exists(leaf) for leaf in leaves)
