@@ -16,7 +16,9 @@ reply would leave no room for another model token (the reply is rolled back: the
 "budget"), or after `--max-turns` model turns. An environment that raises or returns the wrong types stops every
 rank with a message (one collective per call, on every rank, whatever the turn counts)."""
 
+import functools
 import hashlib
+import json
 import math
 import os
 from collections import Counter
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
+from tokenizers import Tokenizer
 
 from common.distributed import all_ranks_ok, fail, local_world_size
 from common.llm.scoring import decode_completion, task_scores
@@ -33,7 +36,7 @@ from tasks import Environment, Example, Task, TaskError, characters_kept
 from tasks.tools import environment_of
 
 TEMPLATE_BASE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]  # the fixed base
-REPLY_MARK = "TOOLREPLYMARK"  # where a reply holding a special token's text goes in the rendered template
+REPLY_MARK = "TOOLREPLYMARK"  # where a reply holding an added token's text goes in the rendered template
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -83,20 +86,42 @@ def probe_environment(task: Task, tokenizer: object, example: Example, max_turns
     return check_reply_encodes(tokenizer, reply) if reply is not None else None
 
 
+@functools.lru_cache(maxsize=4)
+def all_special_copy(tokenizer: object) -> Tokenizer:
+    """A copy of a fast tokenizer's backend whose added tokens are all special, set to encode their text as text:
+    `split_special_tokens` splits only the special ones, and a fast tokenizer matches its non-special added tokens
+    (Qwen2.5's <tool_call>) whatever it is told. Built once per tokenizer, when a reply first needs it."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    for token in state["added_tokens"]:
+        token["special"] = True
+    copy = Tokenizer.from_str(json.dumps(state))
+    copy.encode_special_tokens = True
+    copy.no_truncation()  # as the tokenizer's own call without truncation or padding
+    copy.no_padding()
+    return copy
+
+
 def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Callable[[str], list[int]]:
     """The function from a reply's text to the token ids appended for it. With a chat template: the template of the
     fixed base plus a tool message (and the next assistant turn's opening), minus the base's tokens up to and including
     the assistant's end-of-turn id (what the model sampled): the rest, e.g. Qwen2.5's newline after <|im_end|>, is
-    the template's, not the model's, so it opens the reply. Raises TaskError when the template cannot do this."""
-    specials = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special]
+    the template's, not the model's, so it opens the reply. The reply's own text never gives an added token (special
+    or not: a tool must not forge a tool call). Raises TaskError when the template cannot do this."""
+    non_special = {index for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                   if not token.special}
 
-    def encode(text: str, split_specials: bool = False) -> list[int]:
-        if split_specials:  # the reply's own text: "<|im_end|>" printed by a tool is characters, not the token
-            return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+    def literal(text: str) -> list[int]:
+        """The reply's own text: "<|im_end|>" or "<tool_call>" printed by a tool is characters, not the token."""
+        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+        if non_special.isdisjoint(ids) or not hasattr(tokenizer, "backend_tokenizer"):  # a Python tokenizer splits all
+            return ids
+        return all_special_copy(tokenizer).encode(text, add_special_tokens=False).ids
+
+    def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False).input_ids
 
     if not templated:
-        return lambda text: encode(text, split_specials=True)
+        return literal
     try:
         base = encode(tokenizer.apply_chat_template(TEMPLATE_BASE, tokenize=False))
     except Exception as error:
@@ -108,16 +133,17 @@ def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Cal
     cut = ends[-1] + 1
 
     def reply_ids(text: str) -> list[int]:
-        holds_special = any(special in text for special in specials)
+        own = literal(text)
+        holds_added = own != encode(text)  # an added token's text in it (as the tokenizer matches them)
         try:
             rendered = tokenizer.apply_chat_template(
-                TEMPLATE_BASE + [{"role": "tool", "content": REPLY_MARK if holds_special else text}], tokenize=False,
+                TEMPLATE_BASE + [{"role": "tool", "content": REPLY_MARK if holds_added else text}], tokenize=False,
                 add_generation_prompt=True)
         except Exception as error:
             raise TaskError(f"the chat template cannot write a tool message: {error!r}") from error
-        if holds_special:  # the template's tokens around the reply's, each encoded on its own
+        if holds_added:  # the template's tokens around the reply's, each encoded on its own
             before, _, after = rendered.partition(REPLY_MARK)
-            full = encode(before) + encode(text, split_specials=True) + encode(after)
+            full = encode(before) + own + encode(after)
         else:
             full = encode(rendered)
         if full[:len(base)] != base:
