@@ -178,7 +178,7 @@ def _kill_members(leaf: str) -> None:
 def _members(leaf: str) -> list[int]:
     try:
         return [int(pid) for pid in Path(leaf, "cgroup.procs").read_text().split()]
-    except FileNotFoundError:
+    except OSError:  # no such leaf
         return []
 
 
