@@ -290,8 +290,8 @@ def install_seccomp() -> None:
     - socket buffers past the system's default size (SO_SNDBUF and the like): unix sockets hold their queued data in
       kernel memory that no rlimit counts, up to net.core.wmem_max per socket (4 MiB, doubled, on our machines; the
       sysctl is the host's, not a network namespace's own);
-    - another process's limits and scheduling (prlimit64, setpriority, sched_set*): the init, of the same user, would
-      be the target.
+    - another process's limits and scheduling (prlimit64, setpriority, sched_set*; the caller names itself as pid 0):
+      the init, of the same user, would be the target, and setpriority's PRIO_USER every process of that user.
     ENOSYS for clone3 (the C library falls back to clone, whose flags a filter can read) and for the system calls
     newer than this filter (REVIEWED_NEW_SYSCALLS). Another architecture's system calls (x32, i386) kill the process
     (libseccomp's default for them)."""

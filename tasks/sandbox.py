@@ -24,8 +24,9 @@ one starts while this one runs, which hides the interpreter's start-up. What the
   filter; socket buffers stay at net.core.wmem_default, about 208 KiB, and a process holds at most max_open_files
   sockets, its user about as many more in flight over SCM_RIGHTS). The CPU total is the cgroup's counter (v2's
   cpu.stat; v1 with the cpuacct controller writable), else the init's sum over the processes, which misses the
-  children the kernel reaps (their parent ignores SIGCHLD or set SA_NOCLDWAIT): each of those is bounded by
-  cpu_seconds alone, and the call by its wall clock. `describe()` says which, in the run's manifest and log;
+  children the kernel reaps (their parent ignores SIGCHLD or set SA_NOCLDWAIT): each of those has cpu_seconds of its
+  own, and all of them together the wall clock on each core (max_processes at once). `describe()` says which, in the
+  run's manifest and log;
 - nothing of a call outlives its monitor, whatever ends it (the OOM killer, an operator's kill): the init dies with
   it (a parent-death signal), the namespace with the init, and this side kills whatever is left in the call's cgroup
   leaves before removing them;
