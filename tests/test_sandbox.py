@@ -639,11 +639,12 @@ print(json.dumps(results))
                     reason="no user namespaces for a non-root trainer here")
 def test_as_a_non_root_trainer():
     """The trainer as a non-root user (uid 1000 in a user namespace of its own, the way a cluster job runs): the
-    sandbox takes its user namespace first and builds the same root. The code runs as that user, cannot read the
-    repository, gets EPERM from the filter, cannot forge its report through the init's descriptors, and is stopped
-    by the total CPU limit. Not checked this way: the process bound. The user namespace maps uid 1000 to the host's
-    root, whose processes the kernel exempts from RLIMIT_NPROC (a real non-root user is not); a real non-root user
-    cannot run this machine's interpreter, which lies under /root."""
+    sandbox takes its user namespace first and builds the same root, with no cgroup. The code runs as that user,
+    cannot read the repository, gets EPERM from the filter, cannot forge its report through the init's descriptors,
+    is stopped by the total CPU limit, signals its own process group only (the monitor, of the same user, is out of
+    kill(0, ...)'s reach) and cannot raise its socket buffers. Not checked this way: the process bound. The user
+    namespace maps uid 1000 to the host's root, whose processes the kernel exempts from RLIMIT_NPROC (a real non-root
+    user is not); a real non-root user cannot run this machine's interpreter, which lies under /root."""
     forge = ("import os\nfor fd in os.listdir('/proc/1/fd'):\n    try:\n"
              "        os.write(os.open('/proc/1/fd/' + fd, os.O_WRONLY), b'exit 0 0.0\\n')\n        print('forged')\n"
              "    except OSError:\n        pass\nraise SystemExit(3)")
