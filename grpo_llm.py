@@ -42,6 +42,7 @@ from common.llm.lora import adapters_disabled, lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, sync_weights
 from common.llm.state import LLMArgs
+from common.tracking import get_logger
 
 
 @dataclass
@@ -269,11 +270,14 @@ if __name__ == "__main__":
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     run = prepare_run(args)  # seeds, process group, tokenizer, prompts, the checkpoint to resume from (PLUMBING)
     rank, world_size, device = run.rank, run.world_size, run.device
+    share_prompts = args.share_prompts and not run.family.packing_problem  # e.g. linear attention: padded rows
+    if args.share_prompts and not share_prompts and rank == 0:
+        get_logger(rank).warning(f"--share-prompts is off for this model: {run.family.packing_problem}")
 
     # --- models: the policy (with --lora-rank, adapters over a frozen base) and, with --beta > 0, the frozen
     # reference: the run's starting model (also on resume), with LoRA the policy with its adapters switched off
     # packed rows (--share-prompts) attend through FlexAttention's block mask on GPUs, through SDPA on CPU
-    attention = PACKED_ATTENTION if args.share_prompts and device.type == "cuda" else PADDED_ATTENTION
+    attention = PACKED_ATTENTION if share_prompts and device.type == "cuda" else PADDED_ATTENTION
     policy = load_model(args.model_name_or_path, args, device, attn_implementation=attention, lora=lora_spec(args))
     reference = None if args.beta == 0 else policy if args.lora_rank else load_model(
         args.model_name_or_path, args, device, trainable=False, attn_implementation=attention)
@@ -324,11 +328,11 @@ if __name__ == "__main__":
         pieces = [piece for minibatch in minibatches for piece in split(minibatch, args.micro_batch_size)]
         if args.balance_tokens:  # (PLUMBING) equal tokens per rank; the advantages travel with their completions
             rollout, advantages, pieces = balance_tokens(
-                rollout, run, advantages[:, None], args.num_generations if args.share_prompts else 1,
+                rollout, run, advantages[:, None], args.num_generations if share_prompts else 1,
                 args.micro_batch_size, args.micro_batch_tokens)
             advantages = advantages[:, 0]
         schedule = split(range(len(pieces)), len(pieces) // args.num_minibatches)  # each minibatch's micro-batches
-        batches = micro_batches(rollout, pieces, run, args.share_prompts)
+        batches = micro_batches(rollout, pieces, run, share_prompts)
         advantages = [advantages[list(piece), None].to(device) for piece in pieces]  # no copy in the loop: no host sync
         with torch.no_grad():  # pi_old (with mu k > 1: before the first of the updates) and pi_ref, once per batch
             old_logprobs = [token_logprobs(policy, b, args.temperature) if updates > 1 else None for b in batches]

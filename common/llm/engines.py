@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from common.llm.batching import _pack
-from common.llm.families import checkpoint_tensors, keep_trainer_forward, repack_after_reload
+from common.llm.families import checkpoint_tensors, repack_after_reload, trainer_classes_kept
 from common.llm.lora import VLLM_MAX_LORA_RANKS, LoRASpec, write_peft_adapter
 from common.llm.state import Sample
 
@@ -74,15 +74,15 @@ class VLLMEngine:
         if lora is not None:  # one adapter slot: a version is unloaded once the next is in
             max_rank = next(rank for rank in VLLM_MAX_LORA_RANKS if rank >= lora.rank)
             memory.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1, max_cpu_loras=2)
-        self.llm = LLM(
-            model=model_path, dtype=dtype, seed=rank // tp, tensor_parallel_size=tp,
-            distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
-            max_model_len=max_model_len, enable_prefix_caching=prefix_cache, enforce_eager=device.type == "cpu",
-            use_tqdm_on_load=False, hf_overrides={"head_dtype": "float32"}, **memory,  # logits as the trainer's
-        )  # eager on CPU: compiling costs more start-up time than it saves on small models
+        with trainer_classes_kept(model_path):  # vLLM may decorate the trainer's model classes in place
+            self.llm = LLM(
+                model=model_path, dtype=dtype, seed=rank // tp, tensor_parallel_size=tp,
+                distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+                max_model_len=max_model_len, enable_prefix_caching=prefix_cache, enforce_eager=device.type == "cpu",
+                use_tqdm_on_load=False, hf_overrides={"head_dtype": "float32"}, **memory,  # logits as the trainer's
+            )  # eager on CPU: compiling costs more start-up time than it saves on small models
         # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
         self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
-        keep_trainer_forward(model_path)  # the trainer's copies of a class vLLM decorated
         self.checkpoint_tensors = checkpoint_tensors(model_path)  # vLLM's loader reads the checkpoint's names
 
     def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int | list[int], temperature: float,

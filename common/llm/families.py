@@ -10,8 +10,9 @@
 The trainer's side (common/llm/attention.py) builds its masks per layer kind; vLLM's side (common/llm/engines.py)
 receives weights under the checkpoint's names (`checkpoint_tensors`), repacks what its CPU kernels packed at load
 (`repack_after_reload`) and leaves the trainer's copies of the classes it decorates as they were
-(`keep_trainer_forward`)."""
+(`trainer_classes_kept`)."""
 
+import contextlib
 import importlib
 import importlib.util
 from collections.abc import Callable, Iterable, Iterator
@@ -154,23 +155,44 @@ def repack_after_reload(worker: object) -> int:
     return repacked
 
 
-def keep_trainer_forward(model_path: str) -> None:
-    """Undo, for the trainer's models, what vLLM's Transformers backend (OLMo 2 and 3, and every family vLLM has no
-    module of its own for) does to the `transformers` class it serves: it replaces the class's __call__ with one that
-    reads attributes only vLLM's own instance has (`do_not_compile`), so the trainer's instances of the same class,
-    built before the engine started, failed at their first forward. The class's __call__ now sends vLLM's instance to
-    vLLM's and every other one through torch's own (hooks included)."""
+@contextlib.contextmanager
+def trainer_classes_kept(model_path: str) -> Iterator[None]:
+    """Around the start of a vLLM engine: undo, for the trainer, what vLLM's Transformers backend (OLMo 2 and 3, and
+    every family vLLM has no module of its own for) does to the `transformers` classes it serves. It decorates them in
+    place (vllm/compilation/decorators.py): a new __init__ that needs a vLLM config, a new __call__ that reads
+    attributes only vLLM's own instance has, so the trainer's instances of the same classes failed at their first
+    forward (and any built later, at construction). Each changed method now sends vLLM's calls to vLLM's version
+    (an instance vLLM built; a construction while vLLM's config is current) and every other one to the class's own
+    (torch's __call__, hooks included)."""
     from common.llm.lora import meta_model
 
-    for module in meta_model(model_path).modules():
-        cls = type(module)
-        served = cls.__call__
-        if served is torch.nn.Module.__call__ or not served.__module__.startswith("vllm"):
-            continue
+    classes = {type(module) for module in meta_model(model_path).modules()}
+    own = {cls: (cls.__dict__.get("__init__"), cls.__dict__.get("__call__")) for cls in classes}
+    yield
+    for cls, (own_init, own_call) in own.items():
+        served_init, served_call = cls.__dict__.get("__init__"), cls.__dict__.get("__call__")
+        if served_init is not own_init:
+            cls.__init__ = _dispatching_init(served_init, own_init or super(cls, cls).__init__)
+        if served_call is not own_call:
+            cls.__call__ = _dispatching_call(served_call, own_call or torch.nn.Module.__call__)
 
-        def __call__(self: torch.nn.Module, *args: object, _served: Callable = served, **kwargs: object) -> object:
-            if "vllm_config" in self.__dict__:  # set on the instance vLLM built (vllm/compilation/decorators.py)
-                return _served(self, *args, **kwargs)
-            return torch.nn.Module.__call__(self, *args, **kwargs)
 
-        cls.__call__ = __call__
+def _dispatching_init(served: Callable, own: Callable) -> Callable:
+    def __init__(self: torch.nn.Module, *args: object, **kwargs: object) -> None:
+        from vllm.config import vllm as vllm_config
+
+        if "vllm_config" in kwargs or vllm_config._current_vllm_config is not None:  # vLLM building its model
+            served(self, *args, **kwargs)
+        else:
+            own(self, *args, **kwargs)
+
+    return __init__
+
+
+def _dispatching_call(served: Callable, own: Callable) -> Callable:
+    def __call__(self: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        if "vllm_config" in self.__dict__:  # set on the instances vLLM built
+            return served(self, *args, **kwargs)
+        return own(self, *args, **kwargs)
+
+    return __call__

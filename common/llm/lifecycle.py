@@ -34,6 +34,7 @@ from common.llm.checkpoint import load_training_checkpoint, read_training_state,
 from common.llm.engines import engine_kind
 from common.llm.episodes import is_multi_turn, probe_environment, reply_encoder
 from common.llm.evaluation import evaluation
+from common.llm.families import engine_problem, family_of
 from common.llm.kernels import (
     effective_determinism_env,
     engine_kernels_without_engine,
@@ -150,11 +151,12 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     trainers = world_size - args.rollout_ranks  # a checkpoint records the trainers' world
     resume_dir, resume_state = read_training_state(args, trainers, MAY_CHANGE_ON_RESUME) if args.resume else \
         (None, None)
-    problem = None  # each rank reads the model's files and the task itself: decided together, so none hangs
+    problem, family = None, None  # each rank reads the model's files and the task itself: decided together
     try:
-        AutoConfig.from_pretrained(args.model_name_or_path)
+        family = family_of(AutoConfig.from_pretrained(args.model_name_or_path))
+        problem = engine_problem(family, args.rollout_engine, args.dtype, device.type)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-        if args.lora_rank:  # the targets against the model's own layers, from its config alone
+        if args.lora_rank and not problem:  # the targets against the model's own layers, from its config alone
             problem = targets_problem(meta_model(args.model_name_or_path), tuple(args.lora_target_modules))
     except (OSError, ValueError) as error:
         problem = f"cannot load model {args.model_name_or_path!r}: {error}"
@@ -215,7 +217,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
         if args.lora_rank and saves else None  # what a LoRA checkpoint's adapters belong to
     run = LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
                  [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in test_ids],
-                 eos_ids, templated, pad_id, resume_dir, resume_state, layout, lora_base)
+                 eos_ids, templated, pad_id, resume_dir, resume_state, layout, family, lora_base)
     if layout is not None and layout.is_rollout:
         serve_rollouts(run)
         sys.exit(0)
@@ -249,13 +251,14 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
                          {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
                           "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted,
                           "nccl": nccl_record(), "open_files": open_file_limits(),
-                          "sandbox": sandbox_descriptions(run.task)},
+                          "sandbox": sandbox_descriptions(run.task), "model_family": run.family.describe()},
                          run.resume_dir, start_step)
     log = get_logger(run.rank)
     if runner == "v1" and run.device.type == "cuda":
         log.warning("vLLM runs its V1 model runner, which samples seeded requests one by one in Python; "
                     "unset VLLM_USE_V2_MODEL_RUNNER=0 or use a model the V2 runner supports")
     split = f" trainers, {args.rollout_ranks} rollout ranks" if run.layout else ""
+    log.info(f"model family {run.family.describe()}")
     log.info(f"world size {run.world_size}{split}, {type(engine).__name__} (model runner {runner}), "
              f"{len(run.train_ids)} train / {len(run.test_ids)} test prompts, starting after step {start_step}")
     for tool, description in sandbox_descriptions(run.task).items():

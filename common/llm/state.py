@@ -140,6 +140,7 @@ class LLMRun:
     resume_dir: Path | None
     resume_state: dict | None  # trainer_state.pt as this rank needs it: step, args, world size, extra, its RNG states
     layout: Layout | None  # the split layout's groups (--rollout-ranks); rank and world_size are then this side's
+    family: object  # the policy's model family (common/llm/families.py): its layers' kinds, sinks, experts
     lora_base: dict | None = None  # rank 0, with --lora-rank: the base model's path and weights fingerprint
 
 
