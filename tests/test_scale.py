@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, check, only_run_dir, read_metrics, run_agents, script_env
 
-from common.llm.balancing import balanced_partition, contiguous_pieces
+from common.llm.balancing import balance_groups, balanced_partition, contiguous_pieces
 
 # The fake engine (no vLLM): lognormal lengths, sleep tau0 x the longest; small enough for 4 ranks on 2 cores
 FAKE = ["--rollout-engine", "fake", "--fake-tau0-s", "0.005", "--fake-median-length", "12",
@@ -71,6 +71,14 @@ def test_contiguous_pieces_by_hand():
     assert contiguous_pieces([1] * 6, 3) == [[0, 1], [2, 3], [4, 5]]
     assert contiguous_pieces([10, 1, 1, 1], 3) == [[0], [1], [2, 3]]
     assert contiguous_pieces([1, 1, 1, 10], 3) == [[0, 1], [2], [3]]  # never fewer items left than pieces to fill
+
+
+def test_balancing_groups_are_the_ranks_of_one_node():
+    assert balance_groups(16, 4) == [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]  # never 8 over two nodes
+    assert balance_groups(16, 8) == [range(0, 8), range(8, 16)]
+    assert balance_groups(6, 4) == [range(0, 4), range(4, 6)]  # split layout: the trainers end inside a node
+    assert balance_groups(3, 8) == [range(0, 3)]
+    assert balance_groups(20, 1) == [range(0, 8), range(8, 16), range(16, 20)]  # one rank per node: 8 at a time
 
 
 @pytest.fixture(scope="module")
@@ -176,21 +184,21 @@ def test_hsdp_across_two_nodes_equals_the_flat_mesh(hsdp_runs: dict[str, Path]):
     assert manifests["flat"]["args"]["fsdp_shard_size"] == 4 and manifests["hsdp"]["args"]["fsdp_shard_size"] == 0
 
 
-def test_token_balancing_keeps_its_partners_within_its_group(tmp_path):
-    """8 gloo ranks, 200 steps of long-tailed random lengths (tests/balance_fds_worker.py). With balancing groups of 4,
-    each rank exchanges rows with members of its own group only, and holds fewer open sockets than with one group
-    of all 8 (the negative control), whose ranks exchange with peers beyond their first 4."""
+def test_token_balancing_keeps_its_partners_within_its_node(tmp_path):
+    """8 gloo ranks, 200 steps of long-tailed random lengths (tests/balance_fds_worker.py). Taken for two nodes of 4
+    ranks, each rank exchanges rows with members of its own node only, and holds fewer open sockets than as one node
+    of 8 (the negative control), whose ranks exchange with peers beyond their first 4."""
     touched = {}
-    for group in (4, 8):
-        out = tmp_path / f"group_{group}"
+    for node in (4, 8):
+        out = tmp_path / f"node_{node}"
         out.mkdir()
         check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
-                              "tests/balance_fds_worker.py", str(out), str(group)], cwd=ROOT, env=script_env(),
+                              "tests/balance_fds_worker.py", str(out), str(node)], cwd=ROOT, env=script_env(),
                              capture_output=True, text=True, timeout=600))
-        touched[group] = {rank: json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(8)}
+        touched[node] = {rank: json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(8)}
     for rank, result in touched[4].items():
-        own_group = set(range(rank - rank % 4, rank - rank % 4 + 4)) - {rank}
-        assert set(result["peers"]) <= own_group and result["peers"], (rank, result)
+        own_node = set(range(rank - rank % 4, rank - rank % 4 + 4)) - {rank}
+        assert set(result["peers"]) <= own_node and result["peers"], (rank, result)
         assert result["sockets_at_end"] < touched[8][rank]["sockets_at_end"], (rank, result, touched[8][rank])
     assert any(set(result["peers"]) - set(range(rank - rank % 4, rank - rank % 4 + 4))
-               for rank, result in touched[8].items())  # without the bound, rows cross the first 4 ranks
+               for rank, result in touched[8].items())  # one node of 8: rows cross the first 4 ranks
