@@ -47,6 +47,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -150,8 +151,9 @@ def head(device: torch.device, quick: bool) -> dict:
         return leaf_states.grad, leaf_weight.grad
 
     results["forward_backward_s"] = timed(gradients, device, repeats)
-    first, second = gradients(), gradients()
-    results["backward_twice"] = {"same_bits": digest(*first) == digest(*second), "sha256": digest(*first)[:16]}
+    first = gradients()
+    first_bits = digest(*first)
+    results["backward_twice"] = {"same_bits": first_bits == digest(*gradients()), "sha256": first_bits[:16]}
     sliced = batching.VOCABULARY_SLICE
     batching.VOCABULARY_SLICE = vocabulary  # the whole vocabulary as one slice: one GEMM per row chunk
     try:
@@ -159,10 +161,10 @@ def head(device: torch.device, quick: bool) -> dict:
     finally:
         batching.VOCABULARY_SLICE = sliced
     results["sliced_vs_one_slice"] = {
-        "same_bits": digest(*first) == digest(*whole),
+        "same_bits": first_bits == digest(*whole),
         "max_abs_difference_hidden": (first[0].float() - whole[0].float()).abs().max().item(),
         "max_abs_difference_weight": (first[1].float() - whole[1].float()).abs().max().item()}
-    del first, second, whole
+    del first, whole
     if device.type != "cuda":
         results["backward_peak_memory"] = {"skipped": "no allocator statistics on the CPU"}
         return results
@@ -190,7 +192,7 @@ def gemms(library: str, trace: bool) -> dict:
     in_force = str(torch.backends.cuda.preferred_blas_library())
     torch.use_deterministic_algorithms(True)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    results = {"library_in_force": in_force}
+    results = {"library_in_force": in_force, "selected": in_force.lower().endswith(f".{library}")}
     for m, k, n in GEMM_SHAPES[:1] if trace else GEMM_SHAPES:
         a = torch.randn(m, k, generator=generator, device="cuda").to(torch.bfloat16)
         b = torch.randn(k, n, generator=generator, device="cuda").to(torch.bfloat16)
@@ -217,8 +219,10 @@ def cublaslt(device: torch.device, quick: bool) -> dict:
             library, variables = GEMM_VARIANTS[name]
             traced = child(["--gemms", library, "--trace"], {**variables, "CUBLASLT_LOG_LEVEL": "5",
                                                                "CUBLASLT_LOG_FILE": str(log)}, 60, own_group=False)
-            calls = log.read_text(errors="replace").count("cublasLtMatmul(") if log.exists() else 0
-            results[name]["cublaslt_matmul_calls_logged_for_one_gemm"] = calls if "error" not in traced else traced
+            lines = [line for line in (log.read_text(errors="replace").splitlines() if log.exists() else [])
+                     if re.search(r"\bcublasLtMatmul\b", line)]  # the call, not its helpers (cublasLtMatmulDesc...)
+            results[name]["cublaslt_api_log_for_one_gemm"] = traced if "error" in traced else {
+                "matmul_lines": len(lines), "first": lines[0][:300] if lines else None}
     reference = results["cublas"]
     for name in ("cublaslt", "cublaslt_as_vllm_batch_invariant"):
         for shape, values in results[name].items():
