@@ -121,6 +121,7 @@ def environment(device: torch.device, quick: bool) -> dict:
 
 # ---------------------------------------------------------------- the LM head
 def head(device: torch.device, quick: bool) -> dict:
+    from common.distributed import in_brief
     from common.llm import batching
     from common.llm.batching import _ChosenTokenLogprob
 
@@ -142,7 +143,7 @@ def head(device: torch.device, quick: bool) -> dict:
             error = (function().double() - exact).abs().max().item()
             results[name] = {"seconds": timed(function, device, repeats), "max_abs_error_vs_float64": error}
         except (RuntimeError, TypeError) as failure:  # mm(out_dtype) exists for CUDA bf16 only
-            results[name] = {"error": f"{type(failure).__name__}: {str(failure).splitlines()[0]}"}
+            results[name] = {"error": in_brief(failure)}
     del exact
 
     def gradients(weight_trained: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
