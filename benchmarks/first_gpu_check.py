@@ -32,7 +32,7 @@ about 10 s of each is the process's start: importing torch and transformers, sta
   memory per step, and the lengths of FSDP2's forward-order records per step (issue 44, item 10);
 - distill (~30 s): three steps of on-policy distillation with the student as its own teacher (a frozen copy, as
   distill_llm.py loads a teacher): the reverse KL must be exactly 0.0 and so the gradient; the frozen teacher's
-  forward-order record lengths per step (item 10: they grow by one per block and forward until it is fixed);
+  forward-order record lengths per step (item 10: they grow by one per sharded module and forward until fixed);
 - throughput (~25 s): the HF engine's generation and the trainer's forward + backward in tokens per second;
 - vllm_invariance (vLLM only; benchmarks/first_gpu_vllm_worker.py): a seeded sample alone, among 128 others, cached,
   chunked, over a 3-turn episode with the prefix cache kept and reset;
@@ -316,7 +316,8 @@ def grpo_lora(device: torch.device, quick: bool) -> dict:
 
     setup = training_setup(device)
     args = LLMArgs(dtype="bfloat16", lora_rank=LORA_RANK, learning_rate=3e-3, warmup_steps=0)
-    prompts, generations, beta = (4, 4, 0.04) if quick else (16, 8, 0.04)
+    prompts, generations = (4, 4) if quick else (16, 8)
+    beta = 0.04  # the KL coefficient of DeepSeekMath's GRPO
     policy = load_model(EMBEDDED_MODEL, args, device, attn_implementation=PADDED_ATTENTION, lora=lora_spec(args))
     optimizer, scheduler = make_optimizer(policy, args, args.learning_rate, STEPS)
     engine = HFEngine(EMBEDDED_MODEL, torch.bfloat16, device)
