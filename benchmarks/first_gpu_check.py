@@ -2,7 +2,7 @@
 JSON file, in one command under its 10-minute cap.
 
     python benchmarks/first_gpu_check.py --out $OUT/first_gpu_check.json      # on the lent GPU machine, no venv
-    python benchmarks/first_gpu_check.py --out /tmp/check.json --quick         # a CPU smoke run: every part to its end
+    python benchmarks/first_gpu_check.py --quick                              # CPU smoke run: runs/first_gpu_check.json
 
 The machine we are lent has torch and transformers and nothing else of ours (no tyro, no vLLM, no registry), so the
 torch-level parts import only torch, transformers, safetensors, numpy and the library (common/, tasks/), never a
@@ -515,7 +515,7 @@ def in_child(options: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="the JSON file to write")
+    parser.add_argument("--out", type=Path, default=Path("runs/first_gpu_check.json"), help="the JSON file to write")
     parser.add_argument("--quick", action="store_true", help="small sizes, no doctor, no time limit per part (only "
                         "the budget): a smoke run, on a shared CPU too")
     parser.add_argument("--budget-s", type=float, default=480, help="seconds the whole run may take")
@@ -527,8 +527,7 @@ def main() -> None:
     if options.part or options.gemms:
         in_child(options)
         return
-    if options.out is None:
-        parser.error("--out is required")
+    options.out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results = {"budget_s": options.budget_s, "quick": options.quick}
     for name, (_, limit_s) in {**TORCH_PARTS, **OTHER_PARTS}.items():
@@ -546,6 +545,7 @@ def main() -> None:
         options.out.write_text(json.dumps(results, indent=1) + "\n")  # what is done so far survives a cut
         status = "error" if "error" in results[name] else "skipped" if "skipped" in results[name] else "ok"
         print(f"{name}: {status}, {results[name]['part_seconds']:.1f} s", flush=True)
+    print(f"wrote {options.out}")
 
 
 if __name__ == "__main__":
