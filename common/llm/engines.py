@@ -274,6 +274,63 @@ def engine_kind(kind: str) -> str:
     return ("vllm" if importlib.util.find_spec("vllm") else "hf") if kind == "auto" else kind
 
 
+# The tensor-parallel sizes vLLM 0.32's custom all-reduce takes (vllm/distributed/device_communicators/
+# custom_all_reduce.py: _SUPPORTED_WORLD_SIZES lists 16 too, but should_custom_ar returns False above 8). Under
+# batch invariance it runs its one-stage kernel (VLLM_CUSTOM_ALLREDUCE_ALGO=1stage), whose order of addition is
+# fixed; on more than 2 GPUs only when all of them are linked by NVLink ("Custom allreduce is disabled because it's
+# not supported on more than two PCIe-only GPUs").
+CUSTOM_ALL_REDUCE_SIZES = (2, 4, 6, 8)
+
+
+def tensor_parallel_problem(tp: int, all_nvlinked: bool) -> str | None:
+    """Why vLLM in batch-invariant mode (--deterministic on CUDA) cannot keep its bits at --vllm-tp `tp` on GPUs of
+    which every pair is (`all_nvlinked`) or is not linked by NVLink, or None. Without the custom all-reduce, vLLM's
+    tensor-parallel all-reduce falls back to its own NCCL communicator (cuda_communicator.py, pynccl), for which
+    batch-invariant mode pins one channel, the Simple protocol and Tree through NCCL_NO_CACHE (vllm/utils/nccl.py,
+    pin_nccl_env: "NCCL parses that list once, so this must run before the process's first NCCL call"). Here the
+    trainer's communicator is the process's first (common/distributed.py creates it eagerly), so the pins never
+    apply: the engine's all-reduce then adds in an order NCCL picks by message size, and a sample's logprobs would
+    depend on its batch. Refused rather than made to hold: pinning the trainer's NCCL the same way would run FSDP's
+    collectives on one channel, and naming vLLM's pins in NCCL_NO_CACHE before the trainer's communicator (NCCL
+    2.29.7 or later) would rest on vLLM's private list of them, never run on GPUs here."""
+    if tp <= 2 or (tp in CUSTOM_ALL_REDUCE_SIZES and all_nvlinked):
+        return None
+    why = (f"vLLM's custom all-reduce, whose order of addition is fixed, takes 2, 4, 6 or 8 GPUs, not {tp}"
+           if tp not in CUSTOM_ALL_REDUCE_SIZES else
+           "these GPUs are not all linked by NVLink, and on more than 2 without it vLLM's custom all-reduce, whose "
+           "order of addition is fixed, is off")
+    return (f"--vllm-tp {tp} with --deterministic on CUDA: {why}. vLLM's tensor-parallel all-reduce would fall back "
+            "to NCCL, whose batch-invariant settings vLLM pins only before a process's first NCCL communicator, and "
+            "here the trainer's comes first: the engine's samples would depend on their batch. Use --vllm-tp 2 (or "
+            "4, 6, 8 on GPUs all linked by NVLink: `nvidia-smi topo -m` shows NV# between each pair), or "
+            "--no-deterministic")
+
+
+def nvlinked(devices: list[int]) -> bool:
+    """Whether every pair of these CUDA devices (visible ordinals) is linked by NVLink, asked of NVML as vLLM's
+    CudaPlatform.is_fully_connected asks it (NVML_P2P_CAPS_INDEX_NVLINK); False where NVML cannot tell. Starts no
+    CUDA context."""
+    try:
+        import pynvml  # nvidia-ml-py, which vLLM's GPU build requires
+    except ImportError:
+        return False
+    visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    try:
+        names = [visible[device] if visible else str(device) for device in devices]
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(int(name)) if name.isdigit()
+                   else pynvml.nvmlDeviceGetHandleByUUID(name) for name in names]
+        return all(pynvml.nvmlDeviceGetP2PStatus(first, second, pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+                   == pynvml.NVML_P2P_STATUS_OK for i, first in enumerate(handles) for second in handles[i + 1:])
+    except (pynvml.NVMLError, IndexError):
+        return False
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
                 kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True,
                 lora: LoRASpec | None = None, prefix_cache: bool = True) -> VLLMEngine | HFEngine:

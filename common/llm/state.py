@@ -9,10 +9,16 @@ from typing import Annotated, Literal
 
 import torch
 import torch.distributed as dist
-import tyro
 
 from common.preemption import DEFAULT_STOP_SIGNALS
 from tasks import TASK_HELP, Example, Task
+
+try:  # the scripts' flag parser; the library runs without it (benchmarks/first_gpu_check.py on a bare GPU machine)
+    import tyro
+
+    TASK_FLAG = tyro.conf.arg(help=TASK_HELP)
+except ImportError:
+    TASK_FLAG = None
 
 # LoRA's default targets: every attention and MLP projection of a Llama/Qwen-style block
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -27,7 +33,7 @@ class LLMArgs:
     seed: int = 1  # prompt order, per-sample sampling seeds, torch/numpy/python RNGs
     deterministic: bool = True  # deterministic kernels, batch-invariant vLLM on CUDA, TF32 off
     model_name_or_path: str = EMBEDDED_MODEL  # the policy: any HF causal LM; default: the embedded tiny adder
-    task: Annotated[str, tyro.conf.arg(help=TASK_HELP)] = "addition"
+    task: Annotated[str, TASK_FLAG] = "addition"
     dtype: Literal["float32", "bfloat16"] = "float32"  # of rollouts and compute; master weights stay float32
     # --- the loop: steps, prompts, samples ---
     total_steps: int = 400  # steps, each: rollouts, then the update
