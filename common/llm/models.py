@@ -178,30 +178,23 @@ def shard_model(model: torch.nn.Module, args: LLMArgs, device: torch.device, tra
     model.to_empty(device=device)
 
 
-def _param_groups(model: torch.nn.Module) -> Iterator[object]:
+def _param_groups(model: torch.nn.Module) -> list[object]:
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            yield from module._get_fsdp_state()._fsdp_param_groups
+    return [group for module in model.modules() if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups]
 
 
 def forward_order_lengths(model: torch.nn.Module) -> dict[str, int]:
-    """The lengths of what FSDP2 (torch 2.13) records at every forward of the sharded `model` for the prefetches of a
-    backward: each unit's post_forward appends the unit to the root's `post_forward_order` and that position to the
-    unit's own `_post_forward_indices` (_fsdp_param_group.py, `_record_post_forward`), and only the end of a backward
-    clears them (_fsdp_state.py `_root_post_backward_final_callback`, _fsdp_param_group.py `finalize_backward`). A
-    model that never runs a backward (a reference, a teacher, a reward model) would add one entry per unit and forward
-    to each, all run long: a host-memory leak and a growing list of references. Returns the root's list's length and
-    the sum over the units' lists."""
+    """What FSDP2 (torch 2.13) records at each forward of the sharded `model` for a backward's prefetches, cleared at
+    a backward's end only (_fsdp_param_group.py `_record_post_forward`, `finalize_backward`; _fsdp_state.py): the
+    root's `post_forward_order` (an entry per unit and forward) and the units' `_post_forward_indices`, summed."""
     return {"post_forward_order": len(model._get_fsdp_state()._comm_ctx.post_forward_order),
             "post_forward_indices": sum(len(group._post_forward_indices) for group in _param_groups(model))}
 
 
 def forget_forward_order(model: torch.nn.Module) -> None:
-    """Clear what `forward_order_lengths` measures, as the end of a backward does: shard_model calls it after every
-    forward of a frozen model, which no backward follows (nothing else reads the lists: they serve the prefetches of
-    a backward only)."""
+    """Clear what `forward_order_lengths` measures, as a backward's end does (after each forward of a frozen model)."""
     model._get_fsdp_state()._comm_ctx.post_forward_order.clear()
     for group in _param_groups(model):
         group._post_forward_indices.clear()
