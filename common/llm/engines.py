@@ -66,6 +66,7 @@ class VLLMEngine:
             self.tp_group = dist.new_group(list(range(first, first + tp)), backend="gloo",
                                            use_local_synchronization=True)
         self.sleeps = device.type == "cuda" and colocated  # sleep mode is CUDA-only; split, nothing else is there
+        self.asleep: list[str] = []  # the memory tags `sleep` released, which the next update maps again
         memory = ({"kv_cache_memory_bytes": kv_cache_memory_bytes} if device.type == "cpu"
                   else {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": self.sleeps})
         self.lora, self.model_path, self.adapter, self.adapter_dir = lora, model_path, None, None
@@ -112,13 +113,11 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights in place, consuming `named_tensors` one tensor at a time (the engine runs in this process,
         so a generator streams straight into its loader), then drop prefixes cached with the old weights."""
-        if self.sleeps:
-            torch.cuda.empty_cache()  # hand the trainer's freed blocks back before vLLM allocates again
-            self.llm.wake_up(tags=["weights"])
+        if "weights" in self.asleep:
+            self._wake(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
-        if self.sleeps:
-            torch.cuda.empty_cache()  # the reload's temporaries, before the KV cache is mapped again
-            self.llm.wake_up(tags=["kv_cache"])
+        if self.asleep:  # the KV cache, once the reload's temporaries are freed
+            self._wake(self.asleep)
         self.llm.reset_prefix_cache()
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -126,9 +125,8 @@ class VLLMEngine:
         with from now on; the previous version is unloaded and its files removed."""
         from vllm.lora.request import LoRARequest
 
-        if self.sleeps:
-            torch.cuda.empty_cache()
-            self.llm.wake_up()
+        if self.asleep:  # the KV cache alone: the base never left
+            self._wake(self.asleep)
         version = 1 if self.adapter is None else self.adapter.lora_int_id + 1
         directory = Path(tempfile.mkdtemp(prefix=f"adapter-{version}-"))
         write_peft_adapter(directory, {name: tensor.cpu() for name, tensor in named_tensors}, self.lora,
@@ -142,12 +140,28 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Free accelerator memory for training: level 2 drops weights and KV cache without copying the weights to
-        the host (level 1 would, every step), since `update_weights` overwrites them anyway. An engine serving
-        adapters never gets its base again: level 1 keeps it (in host memory while asleep); level 2 with LoRA
-        enabled also crashes vLLM (vllm#39934)."""
-        if self.sleeps:
-            self.llm.sleep(level=1 if self.serves_adapters else 2)
+        """Free accelerator memory for training (vLLM 0.32's sleep mode, CUDA only). Full weights: level 2 drops
+        weights and KV cache without copying the weights to the host (level 1 would, every step), since
+        `update_weights` overwrites them anyway. An engine serving adapters never gets its base again and the base
+        never changes, so it stays on the device and only the KV cache is released: `release_kv_cache_memory`
+        requires the scheduler paused, which `sleep(level=0)` does and nothing more (vllm/v1/engine/core.py,
+        EngineCore.sleep and release_kv_cache_memory), and `update_adapter` maps the cache again. Level 1 would copy
+        the whole base to pinned host memory and back at every step."""
+        if not self.sleeps:
+            return
+        if self.serves_adapters:
+            self.llm.sleep(level=0)
+            self.llm.release_kv_cache_memory()
+            self.asleep = ["kv_cache"]
+        else:
+            self.llm.sleep(level=2)
+            self.asleep = ["weights", "kv_cache"]
+
+    def _wake(self, tags: list[str]) -> None:
+        """Map the memory of `tags` (released by `sleep`) again; the engine resumes scheduling once none is left."""
+        torch.cuda.empty_cache()  # hand the trainer's freed blocks back before vLLM maps its memory again
+        self.llm.wake_up(tags=list(tags))
+        self.asleep = [tag for tag in self.asleep if tag not in tags]
 
     def close(self) -> None:
         """Tear the engine down while the process group it shares still exists (it destroys its own groups); once."""

@@ -102,6 +102,11 @@ class LLMArgs:
     stop_signals: tuple[str, ...] = DEFAULT_STOP_SIGNALS  # signals that stop the run after its current step with a
     # checkpoint and exit status 3 (common/preemption.py); torchrun forwards SIGTERM, SLURM's --signal sends any
 
+    def adapted_bases(self) -> dict[str, str]:
+        """The frozen base models that carry LoRA adapters, by role, as their paths: what a checkpoint's adapters
+        belong to, and a resume must find the same weights at. A script with more adapted models adds them."""
+        return {"policy": self.model_name_or_path} if self.lora_rank else {}
+
 
 # Arguments a resumed run may change: where and how it reports, not what it computes (so not --rollout-engine: vLLM
 # and transformers draw other samples).
@@ -146,7 +151,7 @@ class LLMRun:
     resume_dir: Path | None
     resume_state: dict | None  # trainer_state.pt as this rank needs it: step, args, world size, extra, its RNG states
     layout: Layout | None  # the split layout's groups (--rollout-ranks); rank and world_size are then this side's
-    lora_base: dict | None = None  # rank 0, with --lora-rank: the base model's path and weights fingerprint
+    lora_bases: dict | None = None  # rank 0: {role: {"path", "sha256"}} of LLMArgs.adapted_bases, the weights' hash
 
 
 @dataclass
