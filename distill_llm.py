@@ -20,7 +20,14 @@ teacher (frozen, in --dtype, like a reference model); after every update the stu
 engine. Same arguments + same machine + same world size = same bits. With `--rollout-ranks K --max-staleness 1` the
 completions come from the student one update back: truncated importance sampling (TIS, as in GRPO) reweights each
 token by min(pi_old / pi_rollout, cap). The teacher must share the student's tokenizer (checked before anything
-loads).
+loads); an output layer padded to more rows than the student's (Qwen2.5-7B's 152,064 against Qwen2.5-1.5B's 151,936)
+is graded over the student's rows, so both distributions are over the same ids.
+
+Both models are graded at --temperature: log softmax(z / T) of each, so the reward is 0 where their logits z agree and
+the student is pulled towards the teacher's logits at any T (TRL's GKDTrainer scales both logits by its temperature
+too). Grading the teacher at 1 while the student samples at T (tinker-cookbook's on-policy distillation, whose
+teacher log-probabilities take no temperature) would pull the student's logits towards T times the teacher's. At the
+default T = 1 the two are the same.
 
     torchrun --nproc_per_node 2 distill_llm.py --seed 1
     torchrun --nproc_per_node 8 distill_llm.py --seed 1 --model-name-or-path Qwen/Qwen3-8B-Base \
@@ -111,6 +118,8 @@ if __name__ == "__main__":
     # --- models: the student (with --lora-rank, adapters over a frozen base) and the frozen teacher ---
     student = load_model(args.model_name_or_path, args, device, lora=lora_spec(args))
     teacher = load_model(args.teacher_model, args, device, trainable=False)
+    vocabulary = student.get_output_embeddings().weight.shape[0]  # the ids the student samples: the teacher's
+    # output layer may be padded to more rows (check_teacher), graded over these only
     optimizer, scheduler = make_optimizer(student, args, args.learning_rate, args.total_steps)
     trained = {"policy": (student, optimizer)}
     engine, tracker, start_step = start_training(run, trained, [scheduler], updates_per_step=1)
@@ -139,8 +148,9 @@ if __name__ == "__main__":
         pieces = split(range(len(rollout.samples)), args.micro_batch_size)
         batches = micro_batches(rollout, pieces, run)
         task_advantage = [task_advantage[list(piece), None].to(device) for piece in pieces]  # no copy in the loop
-        with torch.no_grad():  # the teacher's grades, once per batch
-            teacher_logprobs = [token_logprobs(teacher, batch, args.temperature) for batch in batches]
+        with torch.no_grad():  # the teacher's grades, once per batch, at the student's temperature (docstring)
+            teacher_logprobs = [token_logprobs(teacher, batch, args.temperature, vocabulary=vocabulary)
+                                for batch in batches]
         totals = Totals()
         for m, batch in enumerate(batches):
             logprobs = token_logprobs(student, batch, args.temperature)

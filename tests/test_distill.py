@@ -1,6 +1,7 @@
 """distill_llm.py: the loss against hand-computed values (padding and an environment's tokens masked), the teacher as
-the student itself giving zero reward and zero gradient, bad teachers refused before any engine, and 2-rank runs
-that give the same bits twice and after a resume, colocated and split one step off."""
+the student itself (and as the student with its output layer padded) giving zero reward and zero gradient, bad
+teachers refused before any engine, and 2-rank runs that give the same bits twice and after a resume, colocated and
+split one step off."""
 
 import json
 import shutil
@@ -19,6 +20,21 @@ SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-si
 
 def final_hash(run_dir: Path) -> str:
     return json.loads((run_dir / "final.json").read_text())["parameter_sha256"]
+
+
+def padded_copy(source: Path, directory: Path, rows: int) -> Path:
+    """`source` with its (tied) embedding and output layer padded to `rows` rows, the tokenizer unchanged: as a larger
+    model of a family pads its layer (Qwen2.5-7B: 152,064 rows, Qwen2.5-1.5B: 151,936, one tokenizer). The new rows
+    are drawn from the old ones' mean and covariance (transformers' resize), seeded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    torch.manual_seed(0)
+    model.resize_token_embeddings(rows)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(source).save_pretrained(directory)
+    shutil.copy(source / "generation_config.json", directory)
+    return directory
 
 
 def test_the_loss_on_two_completions_by_hand():
@@ -45,6 +61,46 @@ def test_the_teacher_as_the_student_gives_zero_reward_and_zero_gradient(tmp_path
     check(run_script("distill_llm.py", ["--teacher-model", "assets/tiny-adder", "--total-steps", "2",
                                         "--num-eval-prompts", "8", "--run-root", str(tmp_path)]))
     for metrics in read_metrics(only_run_dir(tmp_path))[1:]:
+        assert metrics["train/reverse_kl"] == 0.0 and metrics["train/loss"] == 0.0
+        assert metrics["train/grad_norm"] == 0.0
+
+
+def test_a_teacher_padded_beyond_the_students_ids_grades_over_the_students_rows(tmp_path: Path):
+    """The student's weights with its output layer padded from 15 to 24 rows: accepted as a teacher, and graded over
+    the student's 15 rows its log-probabilities are the student's bit for bit; over all 24 they are not (the padded
+    rows take probability). A student with more rows than its teacher is refused: some of its ids would go ungraded."""
+    from transformers import AutoModelForCausalLM
+
+    from common.llm.batching import make_batch, token_logprobs
+    from common.llm.scoring import check_teacher
+
+    student_path = ROOT / "assets" / "tiny-adder"
+    padded = padded_copy(student_path, tmp_path / "padded", 24)
+    check_teacher(str(student_path), str(padded))
+    student = AutoModelForCausalLM.from_pretrained(student_path).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(padded).eval()
+    assert teacher.get_output_embeddings().weight.shape[0] == 24
+    batch = make_batch([[4, 5, 13, 6, 7, 14], [8, 9, 13]], [[5, 6, 1], [9, 1]], 0, torch.device("cpu"))
+    with torch.no_grad():
+        mine = token_logprobs(student, batch, 0.7)
+        graded = token_logprobs(teacher, batch, 0.7, vocabulary=15)
+        over_all_rows = token_logprobs(teacher, batch, 0.7)
+    assert torch.equal(graded, mine) and (mine != 0).sum() == 5
+    assert ((over_all_rows - mine).abs() * batch.mask).max() > 1e-3
+    with pytest.raises(SystemExit) as exit_info:
+        check_teacher(str(padded), str(student_path))
+    assert exit_info.value.code == 2
+
+
+def test_the_teacher_as_the_student_padded_gives_zero_reward(tmp_path: Path):
+    """The negative control of a padded teacher, end to end: the student's weights with 9 more output rows give
+    exactly 0 reward and gradient, as the unpadded copy does."""
+    padded = padded_copy(ROOT / "assets" / "tiny-adder", tmp_path / "padded", 24)
+    check(run_script("distill_llm.py", ["--teacher-model", str(padded), "--total-steps", "2", "--num-eval-prompts",
+                                        "8", "--run-root", str(tmp_path / "runs")]))
+    steps = read_metrics(only_run_dir(tmp_path / "runs"))[1:]
+    assert len(steps) == 2
+    for metrics in steps:
         assert metrics["train/reverse_kl"] == 0.0 and metrics["train/loss"] == 0.0
         assert metrics["train/grad_norm"] == 0.0
 

@@ -120,7 +120,8 @@ def test_tied_pairs_contribute_no_gradient(loss_type: str):
 @pytest.fixture(scope="module")
 def dpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_root = tmp_path_factory.mktemp("dpo_reference")
-    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--run-root", str(run_root)], nproc=2))
+    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--run-root", str(run_root)], nproc=2,
+                     launcher="torchrun"))  # its manifest records the real launcher
     return only_run_dir(run_root)
 
 

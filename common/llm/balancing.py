@@ -7,13 +7,23 @@ import math
 import torch
 import torch.distributed as dist
 
+from common.distributed import local_world_size
 from common.llm.state import LLMRun, Rollout, Sample
 
-# Rows move only among BALANCE_GROUP_RANKS consecutive ranks (a node of 8 GPUs, as torchrun numbers ranks): gloo keeps
-# a socket open for every pair that ever exchanged, so balancing over the whole world would, step after step, open
-# N - 1 per rank (past the common 1,024 open files at about 1,000 ranks). Within a group the plan is as before; the
-# groups' totals are not evened out (their difference shrinks as the group's sum of many rows).
+# Rows move only among the ranks of one node (`balance_groups`): gloo keeps a socket open for every pair that ever
+# exchanged, so balancing over the whole world would, step after step, open N - 1 per rank (past the common 1,024
+# open files at about 1,000 ranks), and within a node no row crosses the network. Within a group the plan is as
+# before; the groups' totals are not evened out (their difference shrinks as the group's sum of many rows). With one
+# rank per node there is no node to stay within: groups of BALANCE_GROUP_RANKS consecutive ranks then.
 BALANCE_GROUP_RANKS = 8
+
+
+def balance_groups(world_size: int, ranks_per_node: int) -> list[range]:
+    """The consecutive ranks that balance among themselves: each node's (torchrun numbers ranks node by node, node k
+    holding ranks k x ranks_per_node onwards; the split layout's trainers, the first ranks, may end inside a node),
+    or BALANCE_GROUP_RANKS at a time with one rank per node. On nodes of 4 GPUs, groups of 8 would span two."""
+    size = ranks_per_node if ranks_per_node > 1 else BALANCE_GROUP_RANKS
+    return [range(first, min(first + size, world_size)) for first in range(0, world_size, size)]
 
 
 def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: int, micro_batch_size: int,
@@ -27,7 +37,7 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     ordered by length (similar lengths pad less together), then the same number M of micro-batches on every rank (the
     lock step): M = the most any rank needs for `micro_batch_tokens` padded tokens each (else `micro_batch_size`
     rows), at most the fewest units any rank holds. The rows move point to point between the pairs of ranks that
-    exchange any, over gloo (`exchange`), within groups of BALANCE_GROUP_RANKS, never an all-to-all over the world.
+    exchange any, over gloo (`exchange`), within each node (`balance_groups`), never an all-to-all over the world.
     The loss is unchanged: every normaliser counts the whole batch. Returns this rank's rollout, per_row and
     pieces."""
     world, rows, _ = rollout.lengths.shape
@@ -35,11 +45,10 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     weights = (lengths[:, :, 0] + lengths[:, :, 1]).sum(1).tolist()
     units_per_rank = rows // unit
     parts = []
-    for first in range(0, world, BALANCE_GROUP_RANKS):  # each group's units among its own ranks
-        size = min(BALANCE_GROUP_RANKS, world - first)
-        offset = first * units_per_rank
-        group = balanced_partition(weights[offset:offset + size * units_per_rank], size)
-        parts += [[offset + u for u in part] for part in group]
+    for group in balance_groups(world, local_world_size()):  # each group's units among its own ranks
+        offset = group.start * units_per_rank
+        plan = balanced_partition(weights[offset:offset + len(group) * units_per_rank], len(group))
+        parts += [[offset + u for u in part] for part in plan]
     for part in parts:
         part.sort(key=lambda u: (weights[u], u))
     mine = parts[run.rank]

@@ -12,8 +12,9 @@ of 512 prompt + 1,024 completion tokens:
   2.5 GB, as much again for their gradient, and rounded to bf16 (up to 0.06 nats off at |logit| 16-32). So the model
   runs up to its final hidden states, and the head runs inside `_ChosenTokenLogprob` in float32 on the rows that
   predict a real token, CHUNK_ROWS at a time: 256 x V x 4 B = 156 MB per float32 temporary (three at once in
-  backward), plus in backward the head's float32 gradient and one chunk's float32 contribution to it (V x H x 4 B =
-  0.54 GB each; 2.2 GB at 7B, H = 3,584); on CPUs also a float32 copy of a bf16 head (see _head_backward_mm). The
+  backward), plus in backward, when the head trains, its float32 gradient (V x H x 4 B = 0.54 GB; 2.2 GB at 7B,
+  H = 3,584) and one vocabulary slice's contribution to it; a frozen head (LoRA's base) gets no gradient, so neither
+  exists nor the GEMM that fills them. On CPUs also a float32 copy of a bf16 head (see _head_backward_mm). The
   hidden states it keeps are 8 x 1,024 x H x 2 B = 15 MB. The backward recomputes each chunk's logits: one more
   head matmul, about 9% of a 0.5B model's training FLOPs.
 - shared prompts (GRPO's G samples of a prompt in one packed row) save the prompt's G - 1 repeats, but attention
@@ -193,7 +194,10 @@ class _ChosenTokenLogprob(torch.autograd.Function):
     """log softmax(hidden @ W^T / T)[token] per row and its gradient, from the final hidden states of the rows that
     predict a token: the LM head itself runs here, in float32, CHUNK_ROWS rows at a time, so neither [rows, V]
     logits in the compute dtype nor a float32 [rows, V] tensor beyond one chunk ever exists. Forward keeps only the
-    logsumexp per row; backward recomputes each chunk's logits (one more head matmul) for both gradients."""
+    logsumexp per row; backward recomputes each chunk's logits (one more head matmul) for the hidden states'
+    gradient and, when the head trains, the head's. A frozen head (LoRA's base) skips its gradient: a [V, H] float32
+    accumulator, its copy in the head's dtype and one of the two backward GEMMs; the hidden states' gradient is the
+    same computation either way, so its bits do not depend on it."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature: float
@@ -211,11 +215,11 @@ class _ChosenTokenLogprob(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
         hidden, weight, tokens, logsumexp = ctx.saved_tensors
         dtype = logsumexp.dtype
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
         vocabulary = torch.arange(weight.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
@@ -224,10 +228,12 @@ class _ChosenTokenLogprob(torch.autograd.Function):
             grad_logits = torch.where(onehot, 1 - probs, -probs) * (grad_out[rows, None] / ctx.temperature)
             grad_logits = grad_logits.to(weight.dtype)  # a bf16 head: the body's precision (see _head_backward_mm)
             grad_hidden[rows] = _head_backward_mm(grad_logits, weight, dtype).to(hidden.dtype)
+            if grad_weight is None:  # a frozen head
+                continue
             for first in range(0, weight.shape[0], VOCABULARY_SLICE):  # fixed chunk and slice order: deterministic
                 ids = slice(first, first + VOCABULARY_SLICE)
                 grad_weight[ids] += _head_backward_mm(grad_logits[:, ids].t(), hidden[rows], dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
 
 
 @torch.no_grad()
@@ -248,13 +254,15 @@ def completion_columns(batch: TokenBatch) -> torch.Tensor:
     return torch.arange(batch.prompt_width - 1, batch.prompt_width - 1 + width, device=batch.input_ids.device)
 
 
-def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool = False
-                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool = False,
+                   vocabulary: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(completion token | everything before it) under softmax(logits / T): [B, C] float32, 0.0 under the mask
     (and, `with_entropy`, the entropy of that distribution at each completion position, detached, 0.0 likewise).
     The model runs up to its final hidden states; its LM head then runs in float32 on the rows that predict a real
     completion token only (no prompt or padding positions, in either layout), inside the model's forward, where FSDP
-    has gathered the head's weight: its `forward` is swapped for the chosen-token computation for that one call."""
+    has gathered the head's weight: its `forward` is swapped for the chosen-token computation for that one call.
+    `vocabulary`: the softmax over the head's first `vocabulary` rows only (a distillation teacher whose output layer
+    is padded beyond the student's ids: both distributions over the same ids); None: over all of them."""
     packed = batch.gather_index is not None  # every kept packed column predicts the next token of its segment
     columns = (torch.arange(batch.first_predictor, batch.input_ids.shape[1], device=batch.input_ids.device) if packed
                else completion_columns(batch))
@@ -266,9 +274,10 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
 
     def chosen_token_head(hidden: torch.Tensor) -> torch.Tensor:  # [rows, columns, H] -> [N] logprobs
         hidden = hidden.reshape(-1, hidden.shape[-1])[rows]
+        weight = head.weight if vocabulary is None else head.weight[:vocabulary]  # leading rows: a view, no copy
         if with_entropy:
-            entropy["rows"] = _chunked_entropy(hidden.detach(), head.weight.detach(), temperature)
-        return _ChosenTokenLogprob.apply(hidden, head.weight, targets[rows], temperature)
+            entropy["rows"] = _chunked_entropy(hidden.detach(), weight.detach(), temperature)
+        return _ChosenTokenLogprob.apply(hidden, weight, targets[rows], temperature)
 
     head.forward = chosen_token_head
     try:

@@ -117,11 +117,16 @@ def resume_mismatch(directory: Path, state: dict, args: object, world_size: int,
     if args.total_steps <= state["step"]:
         return f"the checkpoint is at step {state['step']}, --total-steps is {args.total_steps}: nothing left to " \
                "run (a larger --total-steps extends the run)"
-    base = state.get("lora_base")
-    if base is not None and base["sha256"] != base_fingerprint(args.model_name_or_path):
-        return f"{directory} holds LoRA adapters trained on the base {base['path']!r} (weights sha256 " \
-               f"{base['sha256'][:16]}...), but the weights of --model-name-or-path {args.model_name_or_path!r} are " \
-               f"{base_fingerprint(args.model_name_or_path)[:16]}...: the adapters would act on another model"
+    bases = state.get("lora_bases", {})
+    if "lora_base" in state:  # written before every adapted model's base was named: the policy's
+        bases = {"policy": state["lora_base"]}
+    paths = args.adapted_bases()
+    for role, base in bases.items():
+        fingerprint = base_fingerprint(paths[role])  # the same roles: the arguments that adapt them were compared
+        if base["sha256"] != fingerprint:
+            return f"{directory} holds LoRA adapters trained on the base {base['path']!r} (the {role}'s; weights " \
+                   f"sha256 {base['sha256'][:16]}...), but the weights at {paths[role]!r} are {fingerprint[:16]}...: " \
+                   "the adapters would act on another model"
     return None
 
 
@@ -185,7 +190,7 @@ def state_options(model: torch.nn.Module) -> object:
 
 def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
                              tokenizer: object, args: object, extra: dict | None = None,
-                             in_flight: list[dict] | None = None, lora_base: dict | None = None) -> Path:
+                             in_flight: list[dict] | None = None, lora_bases: dict | None = None) -> Path:
     """A collective: every rank writes its shard of each trained model and optimizer (`trained`, e.g. {"policy":
     (model, optimizer)}) with torch.distributed.checkpoint; the policy is exported loadable by transformers and vLLM;
     rank 0 adds trainer_state.pt (step, arguments, world size, every rank's RNG states, `extra`: state the
@@ -195,8 +200,8 @@ def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[tor
 
     A LoRA policy's checkpoint holds its adapters and their optimizer state, not its base: the export is a PEFT
     adapter directory (`adapter_config.json`, `adapter_model.safetensors`, in float32) with the tokenizer, plus the
-    merged model under merged/ with --export-merged, and trainer_state.pt names the base (`lora_base`: path and
-    weights fingerprint, rank 0's), which a resume must match."""
+    merged model under merged/ with --export-merged, and trainer_state.pt names the bases of every adapted model
+    (`lora_bases`: by role, path and weights fingerprint, rank 0's), which a resume must match."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -226,7 +231,7 @@ def save_training_checkpoint(root: Path, step: int, trained: dict[str, tuple[tor
         if is_writer:
             save_object({"step": step, "args": asdict(args), "world_size": dist.get_world_size(), "rng": all_rng,
                         "extra": extra or {}, **({"in_flight": all_in_flight} if in_flight is not None else {}),
-                         **({"lora_base": lora_base} if lora_base is not None else {})},
+                         **({"lora_bases": lora_bases} if lora_bases else {})},
                         directory / "trainer_state.pt")
 
     return save_checkpoint(root, step, write, args.keep_last, save_group())

@@ -67,6 +67,7 @@ class VLLMEngine:
             self.tp_group = dist.new_group(list(range(first, first + tp)), backend="gloo",
                                            use_local_synchronization=True)
         self.sleeps = device.type == "cuda" and colocated  # sleep mode is CUDA-only; split, nothing else is there
+        self.asleep: list[str] = []  # the memory tags `sleep` released, which the next update maps again
         memory = ({"kv_cache_memory_bytes": kv_cache_memory_bytes} if device.type == "cpu"
                   else {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": self.sleeps})
         self.lora, self.model_path, self.adapter, self.adapter_dir = lora, model_path, None, None
@@ -116,14 +117,12 @@ class VLLMEngine:
         """Load new weights in place, consuming `named_tensors` one tensor at a time (the engine runs in this process,
         so a generator streams straight into its loader) under the checkpoint's names, repack what vLLM's CPU kernels
         packed at load, then drop prefixes cached with the old weights."""
-        if self.sleeps:
-            torch.cuda.empty_cache()  # hand the trainer's freed blocks back before vLLM allocates again
-            self.llm.wake_up(tags=["weights"])
+        if "weights" in self.asleep:
+            self._wake(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.checkpoint_tensors(named_tensors)})
         self.llm.collective_rpc(repack_after_reload)
-        if self.sleeps:
-            torch.cuda.empty_cache()  # the reload's temporaries, before the KV cache is mapped again
-            self.llm.wake_up(tags=["kv_cache"])
+        if self.asleep:  # the KV cache, once the reload's temporaries are freed
+            self._wake(self.asleep)
         self.llm.reset_prefix_cache()
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -131,9 +130,8 @@ class VLLMEngine:
         with from now on; the previous version is unloaded and its files removed."""
         from vllm.lora.request import LoRARequest
 
-        if self.sleeps:
-            torch.cuda.empty_cache()
-            self.llm.wake_up()
+        if self.asleep:  # the KV cache alone: the base never left
+            self._wake(self.asleep)
         version = 1 if self.adapter is None else self.adapter.lora_int_id + 1
         directory = Path(tempfile.mkdtemp(prefix=f"adapter-{version}-"))
         write_peft_adapter(directory, {name: tensor.cpu() for name, tensor in named_tensors}, self.lora,
@@ -147,12 +145,28 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Free accelerator memory for training: level 2 drops weights and KV cache without copying the weights to
-        the host (level 1 would, every step), since `update_weights` overwrites them anyway. An engine serving
-        adapters never gets its base again: level 1 keeps it (in host memory while asleep); level 2 with LoRA
-        enabled also crashes vLLM (vllm#39934)."""
-        if self.sleeps:
-            self.llm.sleep(level=1 if self.serves_adapters else 2)
+        """Free accelerator memory for training (vLLM 0.32's sleep mode, CUDA only). Full weights: level 2 drops
+        weights and KV cache without copying the weights to the host (level 1 would, every step), since
+        `update_weights` overwrites them anyway. An engine serving adapters never gets its base again and the base
+        never changes, so it stays on the device and only the KV cache is released: `release_kv_cache_memory`
+        requires the scheduler paused, which `sleep(level=0)` does and nothing more (vllm/v1/engine/core.py,
+        EngineCore.sleep and release_kv_cache_memory), and `update_adapter` maps the cache again. Level 1 would copy
+        the whole base to pinned host memory and back at every step."""
+        if not self.sleeps:
+            return
+        if self.serves_adapters:
+            self.llm.sleep(level=0)
+            self.llm.release_kv_cache_memory()
+            self.asleep = ["kv_cache"]
+        else:
+            self.llm.sleep(level=2)
+            self.asleep = ["weights", "kv_cache"]
+
+    def _wake(self, tags: list[str]) -> None:
+        """Map the memory of `tags` (released by `sleep`) again; the engine resumes scheduling once none is left."""
+        torch.cuda.empty_cache()  # hand the trainer's freed blocks back before vLLM maps its memory again
+        self.llm.wake_up(tags=list(tags))
+        self.asleep = [tag for tag in self.asleep if tag not in tags]
 
     def close(self) -> None:
         """Tear the engine down while the process group it shares still exists (it destroys its own groups); once."""
@@ -277,6 +291,63 @@ class FakeEngine:
 def engine_kind(kind: str) -> str:
     """`auto` resolved: vLLM when it is installed, else the `transformers` fallback."""
     return ("vllm" if importlib.util.find_spec("vllm") else "hf") if kind == "auto" else kind
+
+
+# The tensor-parallel sizes vLLM 0.32's custom all-reduce takes (vllm/distributed/device_communicators/
+# custom_all_reduce.py: _SUPPORTED_WORLD_SIZES lists 16 too, but should_custom_ar returns False above 8). Under
+# batch invariance it runs its one-stage kernel (VLLM_CUSTOM_ALLREDUCE_ALGO=1stage), whose order of addition is
+# fixed; on more than 2 GPUs only when all of them are linked by NVLink ("Custom allreduce is disabled because it's
+# not supported on more than two PCIe-only GPUs").
+CUSTOM_ALL_REDUCE_SIZES = (2, 4, 6, 8)
+
+
+def tensor_parallel_problem(tp: int, all_nvlinked: bool) -> str | None:
+    """Why vLLM in batch-invariant mode (--deterministic on CUDA) cannot keep its bits at --vllm-tp `tp` on GPUs of
+    which every pair is (`all_nvlinked`) or is not linked by NVLink, or None. Without the custom all-reduce, vLLM's
+    tensor-parallel all-reduce falls back to its own NCCL communicator (cuda_communicator.py, pynccl), for which
+    batch-invariant mode pins one channel, the Simple protocol and Tree through NCCL_NO_CACHE (vllm/utils/nccl.py,
+    pin_nccl_env: "NCCL parses that list once, so this must run before the process's first NCCL call"). Here the
+    trainer's communicator is the process's first (common/distributed.py creates it eagerly), so the pins never
+    apply: the engine's all-reduce then adds in an order NCCL picks by message size, and a sample's logprobs would
+    depend on its batch. Refused rather than made to hold: pinning the trainer's NCCL the same way would run FSDP's
+    collectives on one channel, and naming vLLM's pins in NCCL_NO_CACHE before the trainer's communicator (NCCL
+    2.29.7 or later) would rest on vLLM's private list of them, never run on GPUs here."""
+    if tp <= 2 or (tp in CUSTOM_ALL_REDUCE_SIZES and all_nvlinked):
+        return None
+    why = (f"vLLM's custom all-reduce, whose order of addition is fixed, takes 2, 4, 6 or 8 GPUs, not {tp}"
+           if tp not in CUSTOM_ALL_REDUCE_SIZES else
+           "these GPUs are not all linked by NVLink, and on more than 2 without it vLLM's custom all-reduce, whose "
+           "order of addition is fixed, is off")
+    return (f"--vllm-tp {tp} with --deterministic on CUDA: {why}. vLLM's tensor-parallel all-reduce would fall back "
+            "to NCCL, whose batch-invariant settings vLLM pins only before a process's first NCCL communicator, and "
+            "here the trainer's comes first: the engine's samples would depend on their batch. Use --vllm-tp 2 (or "
+            "4, 6, 8 on GPUs all linked by NVLink: `nvidia-smi topo -m` shows NV# between each pair), or "
+            "--no-deterministic")
+
+
+def nvlinked(devices: list[int]) -> bool:
+    """Whether every pair of these CUDA devices (visible ordinals) is linked by NVLink, asked of NVML as vLLM's
+    CudaPlatform.is_fully_connected asks it (NVML_P2P_CAPS_INDEX_NVLINK); False where NVML cannot tell. Starts no
+    CUDA context."""
+    try:
+        import pynvml  # nvidia-ml-py, which vLLM's GPU build requires
+    except ImportError:
+        return False
+    visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    try:
+        names = [visible[device] if visible else str(device) for device in devices]
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(int(name)) if name.isdigit()
+                   else pynvml.nvmlDeviceGetHandleByUUID(name) for name in names]
+        return all(pynvml.nvmlDeviceGetP2PStatus(first, second, pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+                   == pynvml.NVML_P2P_STATUS_OK for i, first in enumerate(handles) for second in handles[i + 1:])
+    except (pynvml.NVMLError, IndexError):
+        return False
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,

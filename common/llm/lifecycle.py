@@ -31,7 +31,7 @@ from common.distributed import (
     open_file_limits,
 )
 from common.llm.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
-from common.llm.engines import engine_kind
+from common.llm.engines import engine_kind, nvlinked, tensor_parallel_problem
 from common.llm.episodes import is_multi_turn, probe_environment, reply_encoder
 from common.llm.evaluation import evaluation
 from common.llm.families import engine_problem, family_of
@@ -52,8 +52,10 @@ from tasks import Example, TaskError, check_task_fits, make_task
 from tasks.tools import check_tools, sandbox_descriptions
 
 
-def check_llm_args(args: LLMArgs, world_size: int) -> None:
-    """The checks every LLM script shares; each script adds its own. Runs on every rank before any collective."""
+def check_llm_args(args: LLMArgs, world_size: int, device_type: str | None = None) -> None:
+    """The checks every LLM script shares; each script adds its own. Runs on every rank before any collective.
+    `device_type`: where the run will compute (None: CUDA when a GPU is visible, as init_distributed decides)."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     for name in ("total_steps", "prompts_per_step", "num_generations", "micro_batch_size", "max_completion_length",
                  "vllm_tp", "max_prompt_length", "learning_rate", "temperature", "max_turns"):
         if not getattr(args, name) > 0:
@@ -82,6 +84,12 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
              f"{'last ' + str(generators) if args.rollout_ranks else str(world_size)}; vLLM-CPU's shared-memory "
              "communicator cannot span nodes, and on GPUs it would be slow. Use a --vllm-tp that divides "
              "--nproc_per_node (and, split, --rollout-ranks a multiple of both)")
+    if engine_kind(args.rollout_engine) == "vllm" and args.deterministic and tp > 2 and torch.cuda.is_available():
+        node = int(os.environ.get("RANK", "0")) // per_node  # this node's groups: every rank of a node asks the same
+        local_groups = [range(first % per_node, first % per_node + tp)  # as devices: torchrun's LOCAL_RANK
+                        for first in range(world_size - generators, world_size, tp) if first // per_node == node]
+        if problem := tensor_parallel_problem(tp, all(nvlinked(list(group)) for group in local_groups)):
+            fail(problem)
     shard_size = fsdp_shard_size(args.fsdp_shard_size, trainers)
     if shard_size < 1 or trainers % shard_size:
         fail(f"--fsdp-shard-size {args.fsdp_shard_size} (0 = ranks per node) gives shard size {shard_size}, which "
@@ -111,6 +119,12 @@ def check_llm_args(args: LLMArgs, world_size: int) -> None:
              f"max_lora_rank takes {', '.join(map(str, VLLM_MAX_LORA_RANKS))}); use a smaller rank or --lora-merge")
     if args.lora_rank and (problem := targets_problem(None, tuple(args.lora_target_modules))):
         fail(problem)
+    if args.lora_rank and not args.lora_merge and engine_kind(args.rollout_engine) == "vllm" and \
+            device_type == "cuda" and args.dtype == "float32":  # the CPU serves LoRA with torch ops, any dtype
+        fail("--lora-rank with --dtype float32 on a GPU: vLLM serves adapters there with Triton kernels that take "
+             "float16 or bfloat16 only (vllm 0.32 asserts it in vllm/lora/ops/triton_ops/lora_shrink_op.py). Pass "
+             "--dtype bfloat16 (the adapters and their optimizer stay float32), or --lora-merge (the engine gets "
+             "merged weights, in float32)")
 
 
 def eos_token_ids(model_path: str, tokenizer: object) -> list[int]:
@@ -213,11 +227,11 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     if layout is not None:
         rank, world_size = dist.get_rank(), dist.get_world_size()
     saves = dist.get_rank() == 0 and not (layout and layout.is_rollout)  # trainer 0 writes trainer_state.pt
-    lora_base = {"path": args.model_name_or_path, "sha256": base_fingerprint(args.model_name_or_path)} \
-        if args.lora_rank and saves else None  # what a LoRA checkpoint's adapters belong to
+    lora_bases = {role: {"path": path, "sha256": base_fingerprint(path)} for role, path in
+                  args.adapted_bases().items()} if saves else None  # what a LoRA checkpoint's adapters belong to
     run = LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
                  [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in test_ids],
-                 eos_ids, templated, pad_id, resume_dir, resume_state, layout, family, lora_base)
+                 eos_ids, templated, pad_id, resume_dir, resume_state, layout, family, lora_bases=lora_bases)
     if layout is not None and layout.is_rollout:
         serve_rollouts(run)
         sys.exit(0)
@@ -315,7 +329,7 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
         try:
             saved, failure = save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer,
                                                       args, extra, getattr(engine, "in_flight", None),
-                                                      run.lora_base), None
+                                                      run.lora_bases), None
         except CheckpointWriteFailed as error:
             saved, failure = None, str(error)
         step_boundary(failure, group, engine.close)  # every rank, the rollout ranks too, learns how it went

@@ -78,19 +78,30 @@ def linear_names(model: torch.nn.Module) -> list[str]:
                    if isinstance(module, torch.nn.Linear)})
 
 
-def targets_problem(model: torch.nn.Module | None, targets: tuple[str, ...]) -> str | None:
-    """Why `targets` cannot be adapted in `model` (a meta copy will do; None: only what no model can take), or None."""
+def targets_problem(model: torch.nn.Module | None, targets: tuple[str, ...], trained_whole: tuple[str, ...] = (),
+                    flag: str = "--lora-target-modules") -> str | None:
+    """Why `targets` cannot be adapted in `model` (a meta copy will do; None: only what no model can take), or None.
+    The model's output layer is refused whatever its name (lm_head in most families; BioGPT's output_projection),
+    and so are the modules that train whole (`trained_whole`: PPO's value head). `flag`: the flag named."""
     if not targets:
-        return "--lora-target-modules names no module"
+        return f"{flag} names no module"
     refused = [target for target in targets if target in REFUSED_TARGETS]
     if refused:
-        return f"--lora-target-modules {refused[0]} is refused: {REFUSED_TARGETS[refused[0]]}"
+        return f"{flag} {refused[0]} is refused: {REFUSED_TARGETS[refused[0]]}"
     if model is None:
         return None
+    head = model.get_output_embeddings()
+    head_name = next((name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is head), None) \
+        if head is not None else None
+    if head_name in targets:
+        return f"{flag} {head_name} is refused: it is the model's output layer, and {REFUSED_TARGETS['lm_head']}"
+    whole = [target for target in targets if target in trained_whole]
+    if whole:
+        return f"{flag} {whole[0]} is refused: it trains whole beside the adapters (an adapter on it adds nothing)"
     present = linear_names(model)
     missing = [target for target in targets if target not in present]
     if missing:
-        return (f"--lora-target-modules {', '.join(missing)}: the model has no linear layer of that name; its linear "
+        return (f"{flag} {', '.join(missing)}: the model has no linear layer of that name; its linear "
                 f"layers are {', '.join(present)}")
     return None
 
@@ -219,12 +230,13 @@ def merged_weights(named: Iterator[tuple[str, torch.Tensor]], scales: dict[str, 
 
 def base_fingerprint(path: str) -> str:
     """sha256 over the base model's weight files (names and bytes, sorted by name): what a LoRA checkpoint belongs to.
-    A local directory is read as it is; a hub name through the cache it was loaded from."""
+    The files transformers loads: the safetensors files, or, in a checkpoint that has none, PyTorch's
+    pytorch_model*.bin. A local directory is read as it is; a hub name through the cache it was loaded from."""
     from transformers.utils import cached_file
 
     directory = Path(path) if Path(path).is_dir() else Path(cached_file(path, "config.json")).parent
     digest = hashlib.sha256()
-    for file in sorted(directory.glob("*.safetensors")):
+    for file in sorted(directory.glob("*.safetensors")) or sorted(directory.glob("pytorch_model*.bin")):
         digest.update(file.name.encode())
         with open(file, "rb") as handle:
             while chunk := handle.read(1 << 24):

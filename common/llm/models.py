@@ -173,7 +173,31 @@ def shard_model(model: torch.nn.Module, args: LLMArgs, device: torch.device, tra
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if not trainable:  # after FSDP2's own forward hook, which records the forward order a backward would clear
+        model.register_forward_hook(lambda module, inputs, output: forget_forward_order(module))
     model.to_empty(device=device)
+
+
+def _param_groups(model: torch.nn.Module) -> list[object]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [group for module in model.modules() if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+def forward_order_lengths(model: torch.nn.Module) -> dict[str, int]:
+    """What FSDP2 (torch 2.13) records at each forward of the sharded `model` for a backward's prefetches, cleared at
+    a backward's end only (_fsdp_param_group.py `_record_post_forward`, `finalize_backward`; _fsdp_state.py): the
+    root's `post_forward_order` (an entry per unit and forward) and the units' `_post_forward_indices`, summed."""
+    return {"post_forward_order": len(model._get_fsdp_state()._comm_ctx.post_forward_order),
+            "post_forward_indices": sum(len(group._post_forward_indices) for group in _param_groups(model))}
+
+
+def forget_forward_order(model: torch.nn.Module) -> None:
+    """Clear what `forward_order_lengths` measures, as a backward's end does (after each forward of a frozen model)."""
+    model._get_fsdp_state()._comm_ctx.post_forward_order.clear()
+    for group in _param_groups(model):
+        group._post_forward_indices.clear()
 
 
 def _broadcast_object(value: object) -> object:

@@ -113,8 +113,11 @@ def check_scalar_head(path: str, flag: str, must_be_classifier: bool) -> None:
 
 def check_teacher(student: str, teacher: str) -> None:
     """A teacher grades the student's token ids, so it must be a causal LM with the student's tokenizer: the same
-    vocabulary (every token string to the same id), the same special tokens and an output layer over the same ids.
-    Reads only configs and tokenizers, on every rank, before any model is loaded; a difference is named."""
+    vocabulary (every token string to the same id), the same special tokens, and an output layer with a row for
+    every id the student can sample. A family's sizes often pad that layer differently with one tokenizer
+    (Qwen2.5-7B has 152,064 rows, Qwen2.5-1.5B 151,936): a larger teacher layer is graded over the student's rows
+    (distill_llm.py). Reads only configs and tokenizers, on every rank, before any model is loaded; a difference is
+    named."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -140,6 +143,7 @@ def check_teacher(student: str, teacher: str) -> None:
         fail(f"--teacher-model {teacher!r} has other special tokens than the student {student!r}: "
              f"{ {name: pair for name, pair in specials.items() if pair[0] != pair[1]} } (student, teacher)")
     sizes = student_config.get_text_config().vocab_size, config.get_text_config().vocab_size
-    if sizes[0] != sizes[1]:
+    if sizes[1] < sizes[0]:
         fail(f"--teacher-model {teacher!r} has an output layer over {sizes[1]} ids, the student {student!r} over "
-             f"{sizes[0]}: their log-probabilities would not be over the same tokens")
+             f"{sizes[0]}: the teacher must grade every id the student can sample (a teacher with more rows is "
+             "graded over the student's)")

@@ -9,10 +9,16 @@ from typing import Annotated, Literal
 
 import torch
 import torch.distributed as dist
-import tyro
 
 from common.preemption import DEFAULT_STOP_SIGNALS
 from tasks import TASK_HELP, Example, Task
+
+try:  # the scripts' flag parser; the library runs without it (benchmarks/first_gpu_check.py on a bare GPU machine)
+    import tyro
+
+    TASK_FLAG = tyro.conf.arg(help=TASK_HELP)
+except ImportError:
+    TASK_FLAG = None
 
 # LoRA's default targets: every attention and MLP projection of a Llama/Qwen-style block
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -27,7 +33,7 @@ class LLMArgs:
     seed: int = 1  # prompt order, per-sample sampling seeds, torch/numpy/python RNGs
     deterministic: bool = True  # deterministic kernels, batch-invariant vLLM on CUDA, TF32 off
     model_name_or_path: str = EMBEDDED_MODEL  # the policy: any HF causal LM; default: the embedded tiny adder
-    task: Annotated[str, tyro.conf.arg(help=TASK_HELP)] = "addition"
+    task: Annotated[str, TASK_FLAG] = "addition"
     dtype: Literal["float32", "bfloat16"] = "float32"  # of rollouts and compute; master weights stay float32
     # --- the loop: steps, prompts, samples ---
     total_steps: int = 400  # steps, each: rollouts, then the update
@@ -98,6 +104,11 @@ class LLMArgs:
     stop_signals: tuple[str, ...] = DEFAULT_STOP_SIGNALS  # signals that stop the run after its current step with a
     # checkpoint and exit status 3 (common/preemption.py); torchrun forwards SIGTERM, SLURM's --signal sends any
 
+    def adapted_bases(self) -> dict[str, str]:
+        """The frozen base models that carry LoRA adapters, by role, as their paths: what a checkpoint's adapters
+        belong to, and a resume must find the same weights at. A script with more adapted models adds them."""
+        return {"policy": self.model_name_or_path} if self.lora_rank else {}
+
 
 # Arguments a resumed run may change: where and how it reports, not what it computes (so not --rollout-engine: vLLM
 # and transformers draw other samples).
@@ -145,7 +156,7 @@ class LLMRun:
     family: object  # the policy's model family (common/llm/families.py): its layers' kinds, sinks, experts
     mismatch_warned: bool = False  # the trainer-vs-engine alarm (lifecycle.mismatch_alarm) has spoken
     mismatch_clean_steps: int = 0  # steps whose logprobs agreed before it did
-    lora_base: dict | None = None  # rank 0, with --lora-rank: the base model's path and weights fingerprint
+    lora_bases: dict | None = None  # rank 0: {role: {"path", "sha256"}} of LLMArgs.adapted_bases, the weights' hash
 
 
 @dataclass
