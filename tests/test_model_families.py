@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import check, only_run_dir, read_metrics, run_script
 
 from assets.build_model_zoo import FAMILIES, build_family
-from conftest import check, only_run_dir, read_metrics, run_script
 
 TASK = "tests/length_task.py:ShortAnswersTask"
 SMALL = ["--task", TASK, "--prompts-per-step", "4", "--num-generations", "4", "--micro-batch-size", "16",
