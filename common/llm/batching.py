@@ -261,7 +261,7 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     targets = (batch.packed_targets[:, batch.first_predictor:] if packed else batch.completion_ids).reshape(-1)
     rows = batch.head_rows
     head, entropy = model.get_output_embeddings(), {}
-    attention_mask = (packed_attention_mask(batch.segment_ids, model.config._attn_implementation) if packed
+    attention_mask = (packed_attention_mask(batch.segment_ids, batch.position_ids, model.config) if packed
                       else batch.attention_mask)
 
     def chosen_token_head(hidden: torch.Tensor) -> torch.Tensor:  # [rows, columns, H] -> [N] logprobs
