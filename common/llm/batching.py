@@ -254,7 +254,9 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     (and, `with_entropy`, the entropy of that distribution at each completion position, detached, 0.0 likewise).
     The model runs up to its final hidden states; its LM head then runs in float32 on the rows that predict a real
     completion token only (no prompt or padding positions, in either layout), inside the model's forward, where FSDP
-    has gathered the head's weight: its `forward` is swapped for the chosen-token computation for that one call."""
+    has gathered the head's weight: its `forward` is swapped for the chosen-token computation for that one call.
+    Packed rows get a mask per layer kind (common/llm/attention.py); a model whose layers no mask can cut between
+    completions (linear attention) raises there."""
     packed = batch.gather_index is not None  # every kept packed column predicts the next token of its segment
     columns = (torch.arange(batch.first_predictor, batch.input_ids.shape[1], device=batch.input_ids.device) if packed
                else completion_columns(batch))
