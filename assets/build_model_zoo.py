@@ -40,7 +40,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                     "query_pre_attn_scalar": 64}),
     "olmo2": ("Olmo2Config", {}),
     "olmo3": ("Olmo3Config", {"sliding_window": SLIDING, "layer_types": ["sliding_attention", "full_attention"]}),
-    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+    # RMSNorm eps 1e-5: vLLM's gpt-oss module fixes it (common/llm/families.py, GPT_OSS_IN_VLLM)
+    "gpt_oss": ("GptOssConfig", {"rms_norm_eps": 1e-5, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "intermediate_size": 64,
                                  "sliding_window": SLIDING, "layer_types": ["sliding_attention", "full_attention"],
                                  "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0,
                                                      "original_max_position_embeddings": 64, "beta_fast": 32.0,

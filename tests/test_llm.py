@@ -111,6 +111,8 @@ GROUPED_COMPLETIONS = [[9, 10, 1], [11], [], [9, 9, 9, 9], [1], [10, 11], [12, 1
 
 
 def test_shared_prompt_layout():
+    from transformers import AutoConfig
+
     batch = make_batch(GROUPED_PROMPTS, GROUPED_COMPLETIONS, pad_id=0, device=torch.device("cpu"),
                        share_prompts=True)
     # one packed row per run of equal prompts (the last row repeats the first prompt, but not next to it)
@@ -119,7 +121,8 @@ def test_shared_prompt_layout():
     assert batch.input_ids[0].tolist()[:10] == [3, 4, 12, 9, 10, 1, 12, 11, 12, 0]
     assert batch.position_ids[0].tolist()[:9] == [0, 1, 2, 3, 4, 5, 2, 3, 2]
     assert batch.attention_mask is None and batch.segment_ids.shape == batch.input_ids.shape  # no L x L tensor
-    dense = packed_attention_mask(batch.segment_ids, "sdpa")
+    config = AutoConfig.from_pretrained(TINY)
+    dense = packed_attention_mask(batch.segment_ids, batch.position_ids, config)
     allowed = dense[0, 0]
     assert allowed[7].tolist()[:9] == [True, True, False, False, False, False, True, True, False]  # prompt + own
     assert allowed[2].tolist()[:9] == [True, True, True] + [False] * 6  # segment 0, first column
@@ -127,7 +130,8 @@ def test_shared_prompt_layout():
     # a one-token prompt has no shared part: its segment attends to itself only
     assert batch.input_ids[2].tolist()[:3] == [8, 10, 11] and dense[2, 0, 2, :3].all()
     # FlexAttention's block mask applies the same rule, column by column
-    block_mask = packed_attention_mask(batch.segment_ids, PACKED_ATTENTION)
+    config._attn_implementation = PACKED_ATTENTION
+    block_mask = packed_attention_mask(batch.segment_ids, batch.position_ids, config)
     rows, width = batch.segment_ids.shape
     index = torch.arange(width)
     rule = torch.stack([block_mask.mask_mod(torch.tensor(u), 0, index[:, None], index[None, :]) for u in range(rows)])

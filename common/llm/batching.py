@@ -262,14 +262,16 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     completion token only (no prompt or padding positions, in either layout), inside the model's forward, where FSDP
     has gathered the head's weight: its `forward` is swapped for the chosen-token computation for that one call.
     `vocabulary`: the softmax over the head's first `vocabulary` rows only (a distillation teacher whose output layer
-    is padded beyond the student's ids: both distributions over the same ids); None: over all of them."""
+    is padded beyond the student's ids: both distributions over the same ids); None: over all of them. Packed rows
+    get a mask per layer kind (common/llm/attention.py); a model whose layers no mask can cut between completions
+    (linear attention) raises there."""
     packed = batch.gather_index is not None  # every kept packed column predicts the next token of its segment
     columns = (torch.arange(batch.first_predictor, batch.input_ids.shape[1], device=batch.input_ids.device) if packed
                else completion_columns(batch))
     targets = (batch.packed_targets[:, batch.first_predictor:] if packed else batch.completion_ids).reshape(-1)
     rows = batch.head_rows
     head, entropy = model.get_output_embeddings(), {}
-    attention_mask = (packed_attention_mask(batch.segment_ids, model.config._attn_implementation) if packed
+    attention_mask = (packed_attention_mask(batch.segment_ids, batch.position_ids, model.config) if packed
                       else batch.attention_mask)
 
     def chosen_token_head(hidden: torch.Tensor) -> torch.Tensor:  # [rows, columns, H] -> [N] logprobs

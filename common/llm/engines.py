@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from common.llm.batching import _pack
-from common.llm.families import checkpoint_tensors, repack_after_reload, trainer_classes_kept
+from common.llm.families import checkpoint_tensors, load_after_reload, repack_after_reload, trainer_classes_kept
 from common.llm.lora import VLLM_MAX_LORA_RANKS, LoRASpec, write_peft_adapter
 from common.llm.state import Sample
 
@@ -119,7 +119,11 @@ class VLLMEngine:
         packed at load, then drop prefixes cached with the old weights."""
         if "weights" in self.asleep:
             self._wake(["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.checkpoint_tensors(named_tensors)})
+        after_reload: list[tuple[str, torch.Tensor]] = []  # e.g. gpt-oss's sinks (a few floats per layer)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.checkpoint_tensors(
+            named_tensors, after_reload)})
+        if after_reload:
+            self.llm.collective_rpc(load_after_reload, kwargs={"weights": after_reload})
         self.llm.collective_rpc(repack_after_reload)
         if self.asleep:  # the KV cache, once the reload's temporaries are freed
             self._wake(self.asleep)

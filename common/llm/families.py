@@ -33,6 +33,7 @@ class Family:
     attention_sinks: bool
     num_experts: int  # routed experts per MoE layer; 0: a dense model
     experts_per_token: int
+    served_otherwise: tuple[str, ...] = ()  # what vLLM's module of the family computes otherwise than the config says
 
     @property
     def packing_problem(self) -> str | None:
@@ -70,7 +71,31 @@ def family_of(config: object) -> Family:
                     if getattr(text, name, None)), 0)
     return Family(text.model_type, (getattr(config, "architectures", None) or [type(config).__name__])[0],
                   layer_types, getattr(text, "sliding_window", None) if windowed else None,
-                  _has_sinks(text), int(experts), int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0)
+                  _has_sinks(text), int(experts), int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0,
+                  _served_otherwise(text, layer_types))
+
+
+# What vLLM 0.32's gpt-oss module (vllm/model_executor/models/gpt_oss.py) fixes whatever the config says: the released
+# checkpoints' values (RMSNorm eps 1e-5, SwiGLU alpha and clamp of its "swigluoai" activation, YaRN RoPE, a sliding
+# window on the even layers).
+GPT_OSS_IN_VLLM = {"rms_norm_eps": 1e-5, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+
+
+def _served_otherwise(text_config: object, layer_types: tuple[str, ...]) -> tuple[str, ...]:
+    """Where vLLM's module of the family would compute another model than this config describes (gpt-oss only: a
+    tiny gpt-oss with RMSNorm eps 1e-6 sampled 2e-3 nats mean |delta logprob| (max 0.015) off the trainer's logprobs,
+    1e-7 with 1e-5)."""
+    if text_config.model_type != "gpt_oss":
+        return ()
+    differences = [f"{key} {getattr(text_config, key, None)} (vLLM: {value})" for key, value in GPT_OSS_IN_VLLM.items()
+                   if getattr(text_config, key, None) != value]
+    alternating = tuple(SLIDING_ATTENTION if layer % 2 == 0 else FULL_ATTENTION for layer in range(len(layer_types)))
+    if layer_types != alternating:
+        differences.append(f"layer kinds {list(layer_types)} (vLLM: sliding on the even layers, full on the odd)")
+    rope_type = (getattr(text_config, "rope_parameters", None) or {}).get("rope_type")
+    if rope_type != "yarn":
+        differences.append(f"RoPE {rope_type} (vLLM: yarn)")
+    return tuple(differences)
 
 
 def _has_sinks(text_config: object) -> bool:
@@ -88,6 +113,9 @@ def engine_problem(family: Family, engine: str, dtype: str, device_type: str) ->
     not vLLM). Checked on every rank before any model loads."""
     if engine != "vllm":
         return None
+    if family.served_otherwise:
+        return (f"{family.model_type}: vLLM's module for {family.architecture} computes another model than this "
+                f"config describes: {'; '.join(family.served_otherwise)}; pass --rollout-engine hf")
     if device_type == "cpu" and LINEAR_ATTENTION in family.layer_types and dtype != "bfloat16":
         return (f"{family.model_type}: vLLM-CPU's Gated DeltaNet kernels run in bfloat16 only (vllm/model_executor/"
                 "layers/mamba/ops/cpu/gdn_attention.py); pass --dtype bfloat16, or --rollout-engine hf to sample in "
@@ -119,23 +147,45 @@ def vllm_module_problem(architecture: str) -> str | None:
 
 # ---- vLLM's side ----
 
-def checkpoint_tensors(model_path: str) -> Callable[[Iterable[tuple[str, torch.Tensor]]],
+def checkpoint_tensors(model_path: str) -> Callable[[Iterable[tuple[str, torch.Tensor]], list],
                                                      Iterator[tuple[str, torch.Tensor]]]:
     """A function from the trainer's named tensors to the checkpoint's, for vLLM's loader: `transformers` (5.x) holds
     some families' weights in another layout than their files (a MoE layer's experts fused into one [E, 2I, H] tensor
     where the file has a gate and an up projection per expert), and vLLM reads the files' names. Each tensor is
-    converted as it comes (every conversion here maps one tensor to one or more), so weights still stream."""
+    converted as it comes (every conversion here maps one tensor to one or more), so weights still stream.
+
+    gpt-oss: vLLM 0.32's loader (GptOssModel._load_weights_other) copies a layer's fused experts and its attention
+    sinks straight into the parameters, past their weight loaders; a reload (`reload_weights`) holds the parameters on
+    the meta device while it loads and puts the old ones back for every layer no weight loader filled ("Failed to
+    load weights"), so those copies were lost: the engine sampled with its first experts and sinks all run (after a
+    sync of changed weights, 0.29 and 0.15 nats mean |delta logprob| on the tiny gpt-oss). So each expert goes under
+    its own name (`...mlp.experts.<e>.gate_up_proj`, the per-expert form vLLM also reads, through the experts' weight
+    loader), and the sinks are appended to `after_reload` for `load_after_reload`."""
     from transformers.core_model_loading import revert_weight_conversion
 
     from common.llm.lora import meta_model
 
     model = meta_model(model_path)
+    per_expert = model.config.model_type == "gpt_oss"
 
-    def convert(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def convert(named: Iterable[tuple[str, torch.Tensor]], after_reload: list) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in named:
-            yield from revert_weight_conversion(model, {name: tensor}).items()
+            for checkpoint_name, value in revert_weight_conversion(model, {name: tensor}).items():
+                if per_expert and checkpoint_name.endswith(".sinks"):
+                    after_reload.append((checkpoint_name, value))
+                elif per_expert and ".mlp.experts." in checkpoint_name:
+                    prefix, _, kind = checkpoint_name.rpartition(".")
+                    yield from ((f"{prefix}.{expert}.{kind}", value[expert]) for expert in range(value.shape[0]))
+                else:
+                    yield checkpoint_name, value
 
     return convert
+
+
+def load_after_reload(worker: object, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Run on each vLLM worker after a weight reload (`collective_rpc`): the model's own `load_weights` for the tensors
+    a reload loses (`checkpoint_tensors`), now that its parameters are the live ones again."""
+    worker.model_runner.model.load_weights(iter(weights))
 
 
 def repack_after_reload(worker: object) -> int:

@@ -38,8 +38,8 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     """A HF model sharded with FSDP2 per transformer block (the classes in the model's `_no_split_modules`, e.g.
     Qwen2DecoderLayer) and at the root, computing in `args.dtype` and reducing gradients in float32. Trained models
     keep float32 master weights; frozen ones (reference, reward model) hold their weights in `args.dtype`.
-    `attn_implementation`: batching.PADDED_ATTENTION (SDPA for padded rows), PACKED_ATTENTION for packed rows on
-    GPUs, or a name of transformers'.
+    `attn_implementation`: attention.PADDED_ATTENTION (SDPA for padded rows, and packed ones on CPU),
+    PACKED_ATTENTION for packed rows on GPUs, or a name of transformers'.
 
     Memory at 7B (7.6B parameters): only rank 0 reads the checkpoint, into host memory in float32 (30 GB, once per
     job); every rank builds the model on the meta device (no memory), shards it, allocates its own shard (30 GB / N
@@ -66,6 +66,9 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
                                 or getattr(text_config, "logit_scale", 1.0) not in (None, 1.0)):
         fail(f"{path}: the model transforms its logits after the LM head (soft cap or scale), which token_logprobs "
              "replaces by its own float32 head; not supported")
+    if getattr(text_config, "attn_logit_softcapping", None):
+        fail(f"{path}: the model soft-caps its attention logits (attn_logit_softcapping, e.g. Gemma 2), which the "
+             "trainer's attention (SDPA, FlexAttention) does not apply; not supported")
     source = shape = None
     if dist.get_rank() == 0:  # the one reader: a failure here must reach the ranks waiting for its broadcast
         try:
