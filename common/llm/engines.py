@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from common.llm.batching import _pack
 from common.llm.families import checkpoint_tensors, repack_after_reload, trainer_classes_kept
-from common.llm.lora import VLLM_MAX_LORA_RANKS, LoRASpec, write_peft_adapter
+from common.llm.lora import VLLM_MAX_LORA_RANKS, LoRASpec, served_lora_modules, write_peft_adapter
 from common.llm.state import Sample
 
 # vLLM-CPU's start-up notices (none about the run; preloading the libraries named paid nothing: docs/install.md)
@@ -81,6 +81,8 @@ class VLLMEngine:
                 max_model_len=max_model_len, enable_prefix_caching=prefix_cache, enforce_eager=device.type == "cpu",
                 use_tqdm_on_load=False, hf_overrides={"head_dtype": "float32"}, **memory,  # logits as the trainer's
             )  # eager on CPU: compiling costs more start-up time than it saves on small models
+        # what an adapter may target in vLLM's model (start_engine refuses the rest before any step)
+        self.served_lora_modules = self.llm.collective_rpc(served_lora_modules)[0] if lora is not None else None
         # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
         self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
         self.checkpoint_tensors = checkpoint_tensors(model_path)  # vLLM's loader reads the checkpoint's names

@@ -42,7 +42,15 @@ from common.llm.kernels import (
     reroute_composite_autograd,
 )
 from common.llm.layout import RemoteRollouts, split_world
-from common.llm.lora import VLLM_MAX_LORA_RANKS, base_fingerprint, meta_model, serves_adapters, targets_problem
+from common.llm.lora import (
+    VLLM_MAX_LORA_RANKS,
+    adapter_serving_problem,
+    base_fingerprint,
+    lora_targets,
+    meta_model,
+    serves_adapters,
+    targets_problem,
+)
 from common.llm.models import final_parameter_hash, fsdp_shard_size
 from common.llm.rollouts import serve_rollouts, start_engine, sync_weights
 from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, checkpoint_due, evaluation_due
@@ -236,7 +244,7 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
         engine = start_engine(run)
     else:  # the rollout ranks' engines, behind the schedule; with S = 1 the checkpoint holds the batch in flight
         engine = RemoteRollouts(run.layout, args.prompts_per_step * args.num_generations, args.total_steps,
-                                run.resume_state.get("in_flight") if start_step else None, serves_adapters(args))
+                                run.resume_state.get("in_flight") if start_step else None, serves_adapters(run))
         engine_kernels_without_engine(run.device.type, args.rollout_engine)  # a colocated trainer's kernels
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
     rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
@@ -251,7 +259,8 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
                          {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
                           "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted,
                           "nccl": nccl_record(), "open_files": open_file_limits(),
-                          "sandbox": sandbox_descriptions(run.task), "model_family": run.family.describe()},
+                          "sandbox": sandbox_descriptions(run.task), "model_family": run.family.describe(),
+                          **({"lora_targets": lora_targets(args)} if args.lora_rank else {})},
                          run.resume_dir, start_step)
     log = get_logger(run.rank)
     if runner == "v1" and run.device.type == "cuda":
@@ -259,6 +268,11 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
                     "unset VLLM_USE_V2_MODEL_RUNNER=0 or use a model the V2 runner supports")
     split = f" trainers, {args.rollout_ranks} rollout ranks" if run.layout else ""
     log.info(f"model family {run.family.describe()}")
+    if args.lora_rank:
+        log.info(f"LoRA rank {args.lora_rank} on {', '.join(lora_targets(args))}")
+        if args.rollout_engine == "vllm" and not args.lora_merge and \
+                (problem := adapter_serving_problem(run.family.num_experts, run.device.type)):
+            log.info(problem)
     log.info(f"world size {run.world_size}{split}, {type(engine).__name__} (model runner {runner}), "
              f"{len(run.train_ids)} train / {len(run.test_ids)} test prompts, starting after step {start_step}")
     for tool, description in sandbox_descriptions(run.task).items():

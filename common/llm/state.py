@@ -14,8 +14,6 @@ import tyro
 from common.preemption import DEFAULT_STOP_SIGNALS
 from tasks import TASK_HELP, Example, Task
 
-# LoRA's default targets: every attention and MLP projection of a Llama/Qwen-style block
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EMBEDDED_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "tiny-adder")
 
 
@@ -50,7 +48,11 @@ class LLMArgs:
     # LoRA wants about 10x the full fine-tuning learning rate (tinker-cookbook's get_lora_lr_over_full_finetune_lr
     # returns 10; verl's LoRA docs say "an order of magnitude"): raise --learning-rate with it
     lora_alpha: float = 16.0  # the adapters' update is scaled by alpha / r
-    lora_target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS  # the linear layers adapted (by their names' last part)
+    lora_target_modules: tuple[str, ...] = ()  # the linear layers adapted (by their names' last part); empty: the
+    # family's attention and MLP projections whatever it names them (Qwen/Llama q, k, v, o, gate, up, down_proj; Phi-3
+    # qkv_proj, o_proj, gate_up_proj, down_proj; Gated DeltaNet's in_proj_*, out_proj). MoE models: attention and
+    # dense MLPs (shared experts) only, the routed experts and routers stay frozen; on vLLM-CPU their engine gets
+    # merged weights (vLLM-CPU serves no LoRA on a MoE model). The resolved list is in the log and the manifest
     lora_merge: bool = False  # give the engine merged weights (float32 merge into a copy, rounded once) instead of
     # the adapters: decode runs at the base model's speed, and each sync moves the whole model
     export_merged: bool = False  # a LoRA checkpoint also exports the merged model (merged/), loadable without PEFT
