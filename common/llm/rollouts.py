@@ -34,6 +34,7 @@ from common.llm.lora import (
     unserved_targets_problem,
 )
 from common.llm.models import stream_weights
+from common.llm.routing import moe_layers, replays_routes
 from common.llm.scoring import RewardModel, decode_completion
 from common.llm.state import LLMRun, Rollout, Sample, checkpoint_due, evaluation_due
 from common.preemption import EXIT_PREEMPTED, step_boundary
@@ -51,7 +52,9 @@ def start_engine(run: LLMRun) -> object:
     engine = keeping_trainer_nccl_env(lambda: make_engine(
         args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len, run.device,
         args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization, colocated=run.layout is None,
-        lora=lora_spec(args) if serves_adapters(run) else None, prefix_cache=args.prefix_cache))
+        lora=lora_spec(args) if serves_adapters(run) else None, prefix_cache=args.prefix_cache,
+        routes=(moe_layers(args.model_name_or_path), run.family.experts_per_token)
+        if replays_routes(args, run.family) else None))
     run_before_leaving(engine.close)  # a run stopped by `fail` shuts its engine down while the group exists
     if getattr(engine, "served_lora_modules", None) and \
             (problem := unserved_targets_problem(lora_spec(args).targets, engine.served_lora_modules)):

