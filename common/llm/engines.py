@@ -113,13 +113,14 @@ class VLLMEngine:
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params, use_tqdm=False,
                                     lora_request=self.adapter)
         samples = []
-        for output in outputs:
+        routes = [None] * len(outputs) if self.routes is None else \
+            output_routes(outputs, self.route_recorder, self.routes[0])
+        for output, sample_routes in zip(outputs, routes):
             completion = output.outputs[0]
             token_ids = list(completion.token_ids)
             logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
             samples.append(Sample(token_ids, logprobs, truncated=completion.finish_reason == "length",
-                                  routes=None if self.routes is None else
-                                  output_routes(output, self.route_recorder, self.routes[0])))
+                                  routes=sample_routes))
         if self.tp_group is not None:
             samples = samples[offset:offset + len(prompts)]
         return samples

