@@ -5,6 +5,7 @@ through the engine's experts, and survives gradient checkpointing's recomputatio
 experts are the engine's on every token, and without replay they are not on a model built to route near ties."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,27 @@ def test_with_replay_the_trainer_routes_every_token_to_the_engines_experts(tmp_p
         assert replayed["differ"] == [0, 0] and replayed["counted"] == replayed["routed"] > 0
         assert own["differ"][0] == 0 and own["differ"][1] > 0.05 * own["routed"] / 2, own
         assert replayed["mismatch_max"] < 1e-5 and own["mismatch_max"] > 1e-3, (replayed, own)
+
+
+def test_routes_cross_the_split_layout_and_resume_with_the_batch_in_flight(tmp_path: Path):
+    """GRPO on the near-tie model with a rollout rank one step off (--rollout-ranks 1 --max-staleness 1): the routes
+    travel with the samples to the trainer (step 1, sampled with the trainer's own weights, matches the engine to
+    float32 rounding although the trainer's own router would have sent tokens elsewhere), and a resume from step 1,
+    whose checkpoint holds batch 2 in flight with its routes, computes steps 2 and 3 to the same bytes."""
+    from conftest import only_run_dir, read_metrics
+
+    model = near_tie_model(tmp_path / "near_tie")
+    args = ["--model-name-or-path", str(model), "--prompts-per-step", "4", "--num-generations", "4",
+            "--num-eval-prompts", "8", "--eval-every", "0", "--total-steps", "3", "--save-every", "1",
+            "--keep-last", "0", "--overlong-buffer", "8", "--rollout-ranks", "1", "--max-staleness", "1"]
+    check(run_script("grpo_llm.py", [*args, "--run-root", str(tmp_path / "runs")], nproc=2))
+    run_dir = only_run_dir(tmp_path / "runs")
+    first = next(m for m in read_metrics(run_dir) if m["step"] == 1)
+    assert first["mismatch/logprob_abs_diff_max"] < 1e-5 and first["routing/same_experts"] < 1, first
+    assert first["train/grad_norm"] > 0
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    check(run_script("grpo_llm.py", [*args, "--resume", str(copy / "checkpoints" / "step_00000001")], nproc=2))
+    assert (copy / "metrics.jsonl").read_bytes() == (run_dir / "metrics.jsonl").read_bytes()
+    assert json.loads((copy / "final.json").read_text())["parameter_sha256"] == \
+        json.loads((run_dir / "final.json").read_text())["parameter_sha256"]
