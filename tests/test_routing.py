@@ -35,11 +35,11 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_family("qwen3_moe", tmp_path_factory.mktemp("zoo") / "qwen3_moe")
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "gpt_oss"])
 def test_replayed_weights_are_the_routers_own_where_the_sets_agree(family: str, tmp_path: Path):
-    """Given its own experts in any order, the router's weights come back bit for bit (Qwen: softmax over all, top
-    k, renormalised; gpt-oss: top-k logits, softmax); given others, its probabilities there, renormalised, with a
-    gradient into the router's weight through them."""
+    """Given its own experts in any order, the router's weights come back bit for bit (Qwen3-MoE: softmax over all,
+    top k, renormalised as norm_topk_prob says; Qwen3.5-MoE: always; gpt-oss: top-k logits, softmax); given others,
+    its probabilities there, renormalised, with a gradient into the router's weight through them."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(build_family(family, tmp_path / family), dtype=torch.float32)

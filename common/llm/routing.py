@@ -54,27 +54,38 @@ def router_of(block: torch.nn.Module) -> torch.nn.Module:
     return next(child for child in block.children() if hasattr(child, "top_k"))
 
 
+# How each family's router (transformers 5) weighs its top k, for `replayed_weights`. Softmax first: the softmax over
+# all experts in float32, the top k's probabilities, renormalised (always, or where the config's norm_topk_prob says:
+# None) and cast back to the logits' dtype or not. gpt-oss: the top k logits, then their softmax.
+SOFTMAX_FIRST = {"Qwen3MoeTopKRouter": (None, True), "Qwen3NextTopKRouter": (None, True),
+                 "Qwen3_5MoeTopKRouter": (True, True), "Qwen2MoeTopKRouter": (None, True),
+                 "OlmoeTopKRouter": (None, True), "MixtralTopKRouter": (True, False)}
+TOP_K_FIRST = {"GptOssTopKRouter"}
+
+
 def replayed_weights(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The family's routing weights of `experts` [T, k] from the router's `logits` [T, E], computed as its own
     forward computes them for its own top k, the experts sorted as its top-k sorts them (by weight, descending), so
     where the sets agree the result is its own bit for bit. Returns (weights [T, k], experts [T, k])."""
-    if hasattr(router, "norm_topk_prob"):  # Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE: softmax over all, then the top k
-        values = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, experts)
-        values, order = values.sort(dim=-1, descending=True, stable=True)
-        if router.norm_topk_prob:
-            values = values / values.sum(dim=-1, keepdim=True)
-        return values.to(logits.dtype), experts.gather(1, order)
-    values, order = logits.gather(1, experts).sort(dim=-1, descending=True, stable=True)  # gpt-oss: top k, softmax
-    return torch.softmax(values, dim=1, dtype=values.dtype), experts.gather(1, order)
+    name = type(router).__name__
+    if name in TOP_K_FIRST:
+        values, order = logits.gather(1, experts).sort(dim=-1, descending=True, stable=True)
+        return torch.softmax(values, dim=1, dtype=values.dtype), experts.gather(1, order)
+    renormalise, cast_back = SOFTMAX_FIRST[name]
+    values = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, experts)
+    values, order = values.sort(dim=-1, descending=True, stable=True)
+    if router.norm_topk_prob if renormalise is None else renormalise:
+        values = values / values.sum(dim=-1, keepdim=True)
+    return values.to(logits.dtype) if cast_back else values, experts.gather(1, order)
 
 
 def replay_problem(model: torch.nn.Module, device_type: str, prefix_cache: bool) -> str | None:
     """Why this run cannot replay the routes of `model` (a meta copy will do), or None."""
     for _, block in moe_blocks(model):
         router = next((child for child in block.children() if hasattr(child, "top_k")), None)
-        if router is None or not (hasattr(router, "norm_topk_prob") or type(router).__name__ == "GptOssTopKRouter"):
-            return (f"--routing-replay knows the routers of Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE and gpt-oss; "
+        if type(router).__name__ not in {*SOFTMAX_FIRST, *TOP_K_FIRST}:
+            return (f"--routing-replay knows the routers {', '.join(sorted({*SOFTMAX_FIRST, *TOP_K_FIRST}))}; "
                     f"{type(block).__name__}'s is {type(router).__name__}: pass --no-routing-replay")
     if device_type == "cuda" and not prefix_cache:  # vllm/config/vllm.py, _verify_aux_output_compatibility
         return ("--routing-replay on GPUs takes vLLM's own routes (enable_return_routed_experts), which need its "
