@@ -1,6 +1,6 @@
-"""Run under torchrun (2 ranks, gloo): hand-skewed rollouts (rank 0 long completions, rank 1 short ones), GRPO's loss
-and gradient over them as the script computes them, without and with `balance_tokens`; writes a JSON summary to
-argv[1] for tests/test_scale.py."""
+"""Run under torchrun (2 ranks, gloo): hand-skewed rollouts (rank 0 long completions, rank 1 short ones, each row with
+MoE routes as --routing-replay gives them), GRPO's loss and gradient over them as the script computes them, without
+and with `balance_tokens`; writes a JSON summary to argv[1] for tests/test_scale.py."""
 
 import json
 import random
@@ -30,9 +30,11 @@ def skewed_rollout(rank: int, world_size: int) -> tuple[Rollout, torch.Tensor]:
         prompts[row] = prompts[row - 1]
     longest = 40 if rank == 0 else 6  # the skew: rank 0 drew the long completions
     samples = []
-    for _ in prompts:
+    for prompt in prompts:
         ids = [draw.randrange(3, 15) for _ in range(draw.randint(longest // 2, longest))]
-        samples.append(Sample(ids, [-draw.random() for _ in ids], truncated=draw.random() < 0.3))
+        routes = torch.tensor([draw.randrange(4) for _ in range((len(prompt) + len(ids)) * 4)], dtype=torch.int16)
+        samples.append(Sample(ids, [-draw.random() for _ in ids], truncated=draw.random() < 0.3,
+                              routes=routes.view(-1, 2, 2)))  # a MoE model's routes (--routing-replay) travel too
     mine = torch.tensor([[len(p), len(s.completion_ids)] for p, s in zip(prompts, samples)])
     rollout = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0), torch.empty(0),
                       all_gather_rows(mine), time.time(), 0.0, {}, 1, 0, [])
@@ -80,9 +82,11 @@ def main() -> None:
                                                                    G if share_prompts else 1, MICRO_BATCH_SIZE, 0)
             results[attempt] = loss_and_gradient(policy, run, moved, moved_advantages[:, 0], moved_pieces,
                                                  share_prompts, num_tokens, num_sequences)
-        rows_before = sorted((tuple(p), tuple(s.completion_ids), tuple(s.logprobs), s.truncated, float(a))
+        rows_before = sorted((tuple(p), tuple(s.completion_ids), tuple(s.logprobs), s.truncated, float(a),
+                              tuple(s.routes.flatten().tolist()))
                              for p, s, a in zip(rollout.prompts, rollout.samples, advantages))
-        rows_after = sorted((tuple(p), tuple(s.completion_ids), tuple(s.logprobs), s.truncated, float(a))
+        rows_after = sorted((tuple(p), tuple(s.completion_ids), tuple(s.logprobs), s.truncated, float(a),
+                             tuple(s.routes.flatten().tolist()))
                             for p, s, a in zip(moved.prompts, moved.samples, moved_advantages[:, 0]))
         every_before: list = [None] * world_size
         every_after: list = [None] * world_size

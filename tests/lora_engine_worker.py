@@ -19,11 +19,16 @@ sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402
 from common.llm.engines import make_engine  # noqa: E402
-from common.llm.lora import LoRASpec, apply_lora, is_adapter  # noqa: E402
-from common.llm.state import DEFAULT_LORA_TARGETS  # noqa: E402
+from common.llm.lora import (  # noqa: E402
+    LoRASpec,
+    apply_lora,
+    default_targets,
+    is_adapter,
+    unserved_targets_problem,
+)
 
 TINY = str(ROOT / "assets" / "tiny-adder")
-SPEC = LoRASpec(rank=8, alpha=16.0, targets=DEFAULT_LORA_TARGETS, seed=1)
+SPEC = LoRASpec(rank=8, alpha=16.0, targets=default_targets(TINY), seed=1)
 PROMPTS = [[4, 5, 13, 6, 7, 14], [12, 12, 12, 13, 4, 14], [3, 9, 13, 8, 14]] * 2  # 12+34=, 999+1=, 27+6=
 SEEDS = [11, 12, 13, 14, 15, 16]
 
@@ -34,7 +39,9 @@ def main() -> None:
     path = sys.argv[3] if mode == "model" else TINY
     lora = SPEC if mode in ("fresh", "adapter") else None
     engine = make_engine("vllm", path, "float32", 1, 64, torch.device("cpu"), 64 * 2**20, 0.3, lora=lora)
-    if mode == "fresh":
+    if mode == "fresh":  # vLLM's model serves the default targets, through its packed qkv_proj and gate_up_proj
+        assert unserved_targets_problem(SPEC.targets, engine.served_lora_modules) is None
+        assert "c_attn" in unserved_targets_problem(("q_proj", "c_attn"), engine.served_lora_modules)
         model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
         apply_lora(model, SPEC)
         engine.update_adapter((name, p.detach()) for name, p in model.named_parameters() if is_adapter(name))

@@ -28,13 +28,12 @@ sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402
 from common.llm.batching import make_batch, token_logprobs  # noqa: E402
-from common.llm.lora import LoRASpec, adapters_disabled, lora_layers  # noqa: E402
+from common.llm.lora import LoRASpec, adapters_disabled, default_targets, lora_layers  # noqa: E402
 from common.llm.models import final_parameter_hash, load_model, make_optimizer, optimizer_step  # noqa: E402
-from common.llm.state import DEFAULT_LORA_TARGETS  # noqa: E402
 
 TINY = str(ROOT / "assets" / "tiny-adder")
 CPU = torch.device("cpu")
-SPEC = LoRASpec(rank=8, alpha=16.0, targets=DEFAULT_LORA_TARGETS, seed=1)
+SPEC = LoRASpec(rank=8, alpha=16.0, targets=default_targets(TINY), seed=1)
 
 
 def model_args(dtype: str) -> SimpleNamespace:

@@ -7,6 +7,7 @@ input refused before any model loads."""
 import filecmp
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,21 +18,27 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 import grpo_llm
+from assets.build_model_zoo import FAMILIES, build_family
 from common.llm.lora import (
     LoRALinear,
     LoRASpec,
+    adapter_serving_problem,
     adapters_disabled,
     apply_lora,
+    default_targets,
+    family_targets,
+    is_adapter,
     lora_layers,
     lora_scales,
     merged_weights,
     meta_model,
     targets_problem,
+    write_peft_adapter,
 )
-from common.llm.state import DEFAULT_LORA_TARGETS
 
 TINY = ROOT / "assets" / "tiny-adder"
-SPEC = LoRASpec(rank=8, alpha=16.0, targets=DEFAULT_LORA_TARGETS, seed=1)
+QWEN2_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SPEC = LoRASpec(rank=8, alpha=16.0, targets=QWEN2_TARGETS, seed=1)
 SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32",
          "--eval-every", "2", "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--seed", "1"]
 LORA = ["--lora-rank", "8", "--learning-rate", "3e-3"]
@@ -78,8 +85,8 @@ def test_a_is_drawn_from_the_seed_and_the_name_and_b_starts_at_zero():
     assert not torch.equal(a_matrices[0], a_matrices[1])  # each module its own draw
     bound = 1 / 128 ** 0.5  # in_features of q_proj
     assert a_matrices[0].abs().max() <= bound and a_matrices[0].std() > bound / 3
-    other_seed = adapters(LoRASpec(8, 16.0, DEFAULT_LORA_TARGETS, seed=2))
-    value_model = adapters(LoRASpec(8, 16.0, DEFAULT_LORA_TARGETS, seed=1, model="value"))
+    other_seed = adapters(LoRASpec(8, 16.0, QWEN2_TARGETS, seed=2))
+    value_model = adapters(LoRASpec(8, 16.0, QWEN2_TARGETS, seed=1, model="value"))
     name = next(iter(first))
     assert not torch.equal(first[name], other_seed[name]) and not torch.equal(first[name], value_model[name])
 
@@ -123,6 +130,70 @@ def test_bad_lora_flags_are_refused(changes: dict, message: str, capsys):
     with pytest.raises(SystemExit) as exit_info:
         grpo_llm.check_args(grpo_llm.Args(**changes, rollout_engine="vllm"), 2)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+GATED_DELTANET = ("out_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+FAMILY_TARGETS = {  # the defaults each family resolves to (zoo models: layer 0 linear attention in the hybrids)
+    **dict.fromkeys(("qwen2.5", "qwen3", "llama3", "mistral", "gemma3", "olmo2", "olmo3"), QWEN2_TARGETS),
+    "phi3": ("o_proj", "qkv_proj", "gate_up_proj", "down_proj"),
+    "qwen3_moe": ATTENTION, "gpt_oss": ATTENTION,  # MoE: attention only
+    "qwen3_next": ("in_proj_qkvz", "in_proj_ba", "out_proj", *ATTENTION),
+    "qwen3_5": (*GATED_DELTANET, "gate_proj", "up_proj", "down_proj", *ATTENTION),
+    "qwen3_5_moe": (*GATED_DELTANET, *ATTENTION),
+}
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A zoo family's tiny model (assets/build_model_zoo.py), built once per module under its temporary directory."""
+    root = tmp_path_factory.mktemp("zoo")
+    return lambda family: root / family if (root / family).is_dir() else build_family(family, root / family)
+
+
+def test_the_default_targets_are_the_familys_projections_and_leave_the_experts_frozen(zoo: Callable, capsys):
+    """--lora-target-modules left empty: the embedded Qwen2 gets today's seven projections (so LoRA runs keep their
+    bits), every zoo family its own names; a MoE model's feed-forward slot (experts, router, shared experts) is left
+    out, and vLLM-CPU gives a MoE model's engine merged weights."""
+    assert default_targets(str(TINY)) == QWEN2_TARGETS
+    assert set(FAMILY_TARGETS) == set(FAMILIES)
+    resolved = {family: family_targets(meta_model(str(zoo(family)))) for family in FAMILIES}
+    assert resolved == FAMILY_TARGETS
+    assert adapter_serving_problem(4, "cpu").startswith("vLLM-CPU 0.32 cannot enable LoRA on a MoE model")
+    assert adapter_serving_problem(0, "cpu") is None and adapter_serving_problem(4, "cuda") is None
+    grpo_llm.check_args(grpo_llm.Args(lora_rank=8, rollout_engine="vllm"), 2)  # the empty default passes the checks
+    assert "error" not in capsys.readouterr().err
+
+
+def test_the_export_of_every_family_loads_in_peft_with_equal_logits(zoo: Callable, tmp_path: Path):
+    """Each zoo family with its default targets and B drawn away from zero: PEFT 0.21's `PeftModel.from_pretrained`
+    over the base loads our adapter export and gives our forward's logits exactly (max |difference| 0.0), which
+    differ from the base's. Every default target is adapted in every block that holds it."""
+    from peft import PeftModel
+
+    ids = torch.tensor([[4, 5, 13, 6, 7, 14, 3, 9, 13, 8, 14]])
+    generator = torch.Generator().manual_seed(0)
+    for family in FAMILIES:
+        directory = zoo(family)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        spec = LoRASpec(rank=8, alpha=16.0, targets=family_targets(model), seed=1)
+        adapted = apply_lora(model, spec)
+        blocks = model.get_decoder().layers
+        assert len(adapted) == sum(1 for block in blocks for name, _ in block.named_modules()
+                                   if name.rsplit(".", 1)[-1] in spec.targets), family
+        with torch.no_grad():
+            for layer in lora_layers(model).values():
+                layer.lora_B.copy_(0.05 * torch.randn(layer.lora_B.shape, generator=generator))
+        adapter = tmp_path / family
+        write_peft_adapter(adapter, {name: p.detach() for name, p in model.named_parameters() if is_adapter(name)},
+                           spec, str(directory))
+        base = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        with torch.no_grad():
+            base_logits = base(ids).logits
+            ours = model(ids).logits
+            theirs = PeftModel.from_pretrained(base, adapter)(ids).logits
+        assert torch.equal(theirs, ours), (family, (theirs - ours).abs().max().item())
+        assert (ours - base_logits).abs().max() > 0.1, family
 
 
 def test_a_target_the_model_lacks_is_named_with_the_ones_it_has():

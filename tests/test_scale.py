@@ -151,9 +151,9 @@ def balance_summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("layout", ["padded", "shared"])
 def test_token_balancing_moves_rows_not_the_loss(balance_summary: dict, layout: str):
     """Hand-skewed rollouts (rank 0: completions of 20-40 tokens, rank 1: 3-6): after balancing every rank holds
-    nearly the mean, every row arrives exactly once with its logprobs and advantage, both ranks run the same number
-    of micro-batches, and GRPO's loss and gradient norm are the unbalanced ones up to summation order; balancing
-    twice gives the same gradient bits."""
+    nearly the mean, every row arrives exactly once with its logprobs, advantage and MoE routes, both ranks run the
+    same number of micro-batches, and GRPO's loss and gradient norm are the unbalanced ones up to summation order;
+    balancing twice gives the same gradient bits."""
     result = balance_summary[layout]
     before = [tokens[0] for tokens in result["tokens_per_rank"]]
     after = [tokens[1] for tokens in result["tokens_per_rank"]]

@@ -56,11 +56,17 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     tokens = [rollout.prompts[r] + rollout.completions[r] for r in range(rows)]
     floats = [[*rollout.samples[r].logprobs, *rollout.samples[r].model_mask(), float(rollout.samples[r].truncated),
                *per_row[r].tolist()] for r in range(rows)]  # a completion's logprobs and loss mask, then per row
+    route_shape = rollout.samples[0].routes.shape[1:] if rows and rollout.samples[0].routes is not None else None
+    streams = [(tokens, torch.long, -1), (floats, torch.float64, 1 + per_row.shape[1])]
+    if route_shape is not None:  # --routing-replay: each token's experts travel with it
+        streams.append(([rollout.samples[r].routes.reshape(-1).tolist() for r in range(rows)], torch.int16, -2))
 
     def rows_of(u: int) -> range:
         return range((u % units_per_rank) * unit, (u % units_per_rank + 1) * unit)
 
-    def size(u: int, extra: int) -> int:  # a unit's entries in the token or the float stream
+    def size(u: int, extra: int) -> int:  # a unit's entries in the token (-1), route (-2) or float stream
+        if extra == -2:
+            return int(lengths[u].sum()) * math.prod(route_shape)
         return int(lengths[u].sum()) if extra < 0 else 2 * int(lengths[u, :, 1].sum()) + unit * extra
 
     sent = [[u for u in part if u // units_per_rank == run.rank] for part in parts]
@@ -68,23 +74,27 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     extra = 1 + per_row.shape[1]
     moved = [exchange([[value for u in part for r in rows_of(u) for value in stream[r]] for part in sent],
                       [sum(size(u, width) for u in part) for part in received], dtype)
-             for stream, dtype, width in ((tokens, torch.long, -1), (floats, torch.float64, extra))]
-    token_at, float_at = {}, {}  # where each unit starts in the received streams (in sender order)
-    offsets = [0, 0]
+             for stream, dtype, width in streams]
+    starts = {}  # where each unit starts in each received stream (in sender order)
+    offsets = [0] * len(streams)
     for u in (u for part in received for u in part):
-        token_at[u], float_at[u] = offsets[0], offsets[1]
-        offsets[0] += size(u, -1)
-        offsets[1] += size(u, extra)
+        starts[u] = list(offsets)
+        offsets = [offset + size(u, width) for offset, (_, _, width) in zip(offsets, streams)]
     prompts, samples, values = [], [], []
     for u in sorted(mine, key=lambda u: (weights[u], u)):
-        t, f = token_at[u], float_at[u]
+        t, f, *routed = starts[u]
         for prompt_length, completion_length in lengths[u].tolist():
             prompts.append(moved[0][t:t + prompt_length])
             completion = moved[0][t + prompt_length:t + prompt_length + completion_length]
             record = moved[1][f:f + 2 * completion_length + extra]
             loss_mask = [int(m) for m in record[completion_length:2 * completion_length]]
+            routes = None
+            if routed:
+                count = (prompt_length + completion_length) * math.prod(route_shape)
+                routes = torch.tensor(moved[2][routed[0]:routed[0] + count], dtype=torch.int16).view(-1, *route_shape)
+                routed[0] += count
             samples.append(Sample(completion, record[:completion_length], bool(record[2 * completion_length]),
-                                  loss_mask if 0 in loss_mask else None))
+                                  loss_mask if 0 in loss_mask else None, routes=routes))
             values.append(record[2 * completion_length + 1:])
             t, f = t + prompt_length + completion_length, f + 2 * completion_length + extra
     # --- micro-batches: the same count on every rank

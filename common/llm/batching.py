@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.llm.attention import packed_attention_mask
+from common.llm.routing import packed_routes, padded_routes, replayed_routes
 from common.llm.state import LLMRun, Rollout
 
 CHUNK_ROWS = 256  # rows of float32 [rows, V] logits computed at a time
@@ -54,6 +55,8 @@ class TokenBatch:
     gather_index: torch.Tensor | None = None  # [B, C]: flat index into the packed [U, L - first_predictor] columns
     first_predictor: int = 0  # the first packed column whose logits are needed (the shortest prompt's last token)
     segment_ids: torch.Tensor | None = None  # [U, L] packed: -1 the shared prompt, g completion g's segment, -2 pad
+    routes: torch.Tensor | None = None  # --routing-replay: [B, P + C, MoE layers, k] (packed: [U, L, ...]) int16, the
+    # engine's experts of each token, -1 where none (`with_routes`, common/llm/routing.py)
     head_rows: torch.Tensor = field(init=False)  # [N]: the kept hidden-state rows that predict a real token
     unpack_index: torch.Tensor = field(init=False)  # [B * C]: each position's row among them, N where padding
 
@@ -283,8 +286,9 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
 
     head.forward = chosen_token_head
     try:
-        chosen = model(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=batch.position_ids,
-                       logits_to_keep=columns, use_cache=False).logits  # no KV cache: nothing decodes afterwards
+        with replayed_routes(model, batch.routes):  # a MoE policy routes each token as the engine did (R3)
+            chosen = model(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=batch.position_ids,
+                           logits_to_keep=columns, use_cache=False).logits  # no KV cache: nothing decodes afterwards
     finally:
         del head.forward
 
@@ -310,6 +314,17 @@ def split(rows: list[int] | range, size: int) -> list[list[int] | range]:
     return [rows[start:start + size] for start in range(0, len(rows), size)]
 
 
+def with_routes(batch: TokenBatch, prompts: list[list[int]], routes: list[torch.Tensor | None]) -> TokenBatch:
+    """`batch` (make_batch's, of these prompts) with the engine's routes of its rows laid out as its tokens are
+    (--routing-replay); as it was where the rows carry none."""
+    if routes and routes[0] is not None:
+        width = batch.input_ids.shape[1]
+        laid_out = packed_routes(prompts, routes, width) if batch.gather_index is not None else \
+            padded_routes(prompts, routes, batch.prompt_width, width)
+        batch.routes = laid_out.to(batch.input_ids.device)
+    return batch
+
+
 def micro_batches(rollout: Rollout, pieces: list[list[int] | range], run: LLMRun, share_prompts: bool = False
                   ) -> list[TokenBatch]:
     """One TokenBatch per list of rows, on the device, with the engine's logprobs of those rows' tokens. Counts the
@@ -318,6 +333,8 @@ def micro_batches(rollout: Rollout, pieces: list[list[int] | range], run: LLMRun
                           run.pad_id, run.device, share_prompts, [rollout.samples[r].logprobs for r in rows],
                           [rollout.samples[r].loss_mask for r in rows])
                for rows in pieces]
+    for batch, rows in zip(batches, pieces):  # --routing-replay: the engine's routes, where the samples carry them
+        with_routes(batch, [rollout.prompts[r] for r in rows], [rollout.samples[r].routes for r in rows])
     counts = rollout.timings
     counts["micro_batches"] = counts.get("micro_batches", 0) + len(batches)
     counts["tokens"] = counts.get("tokens", 0) + sum(  # real tokens: a packed row holds its prompt once

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from common.llm.batching import _pack
 from common.llm.families import checkpoint_tensors, load_after_reload, repack_after_reload, trainer_classes_kept
-from common.llm.lora import VLLM_MAX_LORA_RANKS, LoRASpec, write_peft_adapter
+from common.llm.lora import VLLM_MAX_LORA_RANKS, LoRASpec, served_lora_modules, write_peft_adapter
+from common.llm.routing import attach_route_recorder, output_routes
 from common.llm.state import Sample
 
 # vLLM-CPU's start-up notices (none about the run; preloading the libraries named paid nothing: docs/install.md)
@@ -55,7 +56,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
                  kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True,
-                 lora: LoRASpec | None = None, prefix_cache: bool = True) -> None:
+                 lora: LoRASpec | None = None, prefix_cache: bool = True,
+                 routes: tuple[tuple[int, ...], int] | None = None) -> None:
         from vllm import LLM
 
         gc.freeze()  # what importing vLLM built lives all run: its start-up collections (six) need not walk it
@@ -75,6 +77,10 @@ class VLLMEngine:
         if lora is not None:  # one adapter slot: a version is unloaded once the next is in
             max_rank = next(rank for rank in VLLM_MAX_LORA_RANKS if rank >= lora.rank)
             memory.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1, max_cpu_loras=2)
+        self.routes = routes  # (MoE layers, experts per token): samples come with routes (common/llm/routing.py)
+        if routes is not None and device.type == "cuda":
+            memory.update(enable_return_routed_experts=True)  # vLLM's own capture (its V2 model runner)
+        prefix_cache = prefix_cache and (routes is None or device.type == "cuda")  # our capture sees computed tokens
         with trainer_classes_kept(model_path):  # vLLM may decorate the trainer's model classes in place
             self.llm = LLM(
                 model=model_path, dtype=dtype, seed=rank // tp, tensor_parallel_size=tp,
@@ -82,8 +88,12 @@ class VLLMEngine:
                 max_model_len=max_model_len, enable_prefix_caching=prefix_cache, enforce_eager=device.type == "cpu",
                 use_tqdm_on_load=False, hf_overrides={"head_dtype": "float32"}, **memory,  # logits as the trainer's
             )  # eager on CPU: compiling costs more start-up time than it saves on small models
+        # what an adapter may target in vLLM's model (start_engine refuses the rest before any step)
+        self.served_lora_modules = self.llm.collective_rpc(served_lora_modules)[0] if lora is not None else None
         # V2 samples all seeded requests in one kernel; V1 (and the CPU runner) loops over them in Python every step
         self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+        self.route_recorder = self.llm.collective_rpc(attach_route_recorder, args=routes)[0] \
+            if routes is not None and device.type != "cuda" else None
         self.checkpoint_tensors = checkpoint_tensors(model_path)  # vLLM's loader reads the checkpoint's names
 
     def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int | list[int], temperature: float,
@@ -104,11 +114,14 @@ class VLLMEngine:
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params, use_tqdm=False,
                                     lora_request=self.adapter)
         samples = []
-        for output in outputs:
+        routes = [None] * len(outputs) if self.routes is None else \
+            output_routes(outputs, self.route_recorder, self.routes[0])
+        for output, sample_routes in zip(outputs, routes):
             completion = output.outputs[0]
             token_ids = list(completion.token_ids)
             logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
-            samples.append(Sample(token_ids, logprobs, truncated=completion.finish_reason == "length"))
+            samples.append(Sample(token_ids, logprobs, truncated=completion.finish_reason == "length",
+                                  routes=sample_routes))
         if self.tp_group is not None:
             samples = samples[offset:offset + len(prompts)]
         return samples
@@ -356,7 +369,8 @@ def nvlinked(devices: list[int]) -> bool:
 
 def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
                 kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True,
-                lora: LoRASpec | None = None, prefix_cache: bool = True) -> VLLMEngine | HFEngine:
+                lora: LoRASpec | None = None, prefix_cache: bool = True,
+                routes: tuple[tuple[int, ...], int] | None = None) -> VLLMEngine | HFEngine:
     """`auto` picks vLLM when it is installed, else the `transformers` fallback (which takes merged weights: it has
     no adapters)."""
     if engine_kind(kind) == "vllm":
@@ -371,5 +385,5 @@ def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: 
         if device.type == "cpu":  # eager CPU vLLM still compiles a logprob-rank count on first use: 3 s per process
             torch._dynamo.config.disable = True  # for the same integers (process-wide: nothing else here compiles)
         return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization,
-                          colocated, lora, prefix_cache)
+                          colocated, lora, prefix_cache, routes)
     return HFEngine(model_path, getattr(torch, dtype), device)

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
@@ -216,6 +217,7 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
     ids: list[list[int]] = [[] for _ in range(count)]
     logprobs: list[list[float]] = [[] for _ in range(count)]
     masks: list[list[int]] = [[] for _ in range(count)]
+    routes: list[torch.Tensor | None] = [None] * count  # the last turn's: its engine pass over the whole episode
     rewards, turns, ends, cut = [0.0] * count, [0] * count, ["turns"] * count, [False] * count
     for environment, example in zip(environments, examples):
         try:
@@ -238,6 +240,7 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
             ids[i] += sample.completion_ids
             logprobs[i] += sample.logprobs
             masks[i] += [1] * len(sample.completion_ids)
+            routes[i] = sample.routes
             turns[i] += 1
             cut[i] = sample.truncated  # the model's turn hit the budget before its EOS
             environments[i].turn = turn
@@ -276,7 +279,7 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
         correct = environment.correct if environment.correct is not None else rewards[i] >= 1
         episode = Episode(rewards[i], bool(correct), turns[i], masks[i].count(0), ends[i],
                           {name: environment.events[name] for name in event_names})
-        samples.append(Sample(ids[i], logprobs[i], cut[i], masks[i], episode))
+        samples.append(Sample(ids[i], logprobs[i], cut[i], masks[i], episode, routes[i]))
     return samples
 
 

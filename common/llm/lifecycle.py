@@ -42,9 +42,18 @@ from common.llm.kernels import (
     reroute_composite_autograd,
 )
 from common.llm.layout import RemoteRollouts, split_world
-from common.llm.lora import VLLM_MAX_LORA_RANKS, base_fingerprint, meta_model, serves_adapters, targets_problem
+from common.llm.lora import (
+    VLLM_MAX_LORA_RANKS,
+    adapter_serving_problem,
+    base_fingerprint,
+    lora_targets,
+    meta_model,
+    serves_adapters,
+    targets_problem,
+)
 from common.llm.models import final_parameter_hash, fsdp_shard_size
 from common.llm.rollouts import serve_rollouts, start_engine, sync_weights
+from common.llm.routing import install_route_replay, replay_problem, replays_routes
 from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, checkpoint_due, evaluation_due
 from common.preemption import catch_stop_signals, preempted, step_boundary, stop_signals_problem
 from common.tracking import RunTracker, get_logger
@@ -172,6 +181,8 @@ def prepare_run(args: LLMArgs) -> LLMRun:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         if args.lora_rank and not problem:  # the targets against the model's own layers, from its config alone
             problem = targets_problem(meta_model(args.model_name_or_path), tuple(args.lora_target_modules))
+        if replays_routes(args, family) and not problem:
+            problem = replay_problem(meta_model(args.model_name_or_path), device.type, args.prefix_cache)
     except (OSError, ValueError) as error:
         problem = f"cannot load model {args.model_name_or_path!r}: {error}"
     try:
@@ -250,7 +261,7 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
         engine = start_engine(run)
     else:  # the rollout ranks' engines, behind the schedule; with S = 1 the checkpoint holds the batch in flight
         engine = RemoteRollouts(run.layout, args.prompts_per_step * args.num_generations, args.total_steps,
-                                run.resume_state.get("in_flight") if start_step else None, serves_adapters(args))
+                                run.resume_state.get("in_flight") if start_step else None, serves_adapters(run))
         engine_kernels_without_engine(run.device.type, args.rollout_engine)  # a colocated trainer's kernels
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
     rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
@@ -265,7 +276,9 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
                          {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
                           "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted,
                           "nccl": nccl_record(), "open_files": open_file_limits(),
-                          "sandbox": sandbox_descriptions(run.task), "model_family": run.family.describe()},
+                          "sandbox": sandbox_descriptions(run.task), "model_family": run.family.describe(),
+                          **({"lora_targets": lora_targets(args)} if args.lora_rank else {}),
+                          "routing_replay": replays_routes(args, run.family)},
                          run.resume_dir, start_step)
     log = get_logger(run.rank)
     if runner == "v1" and run.device.type == "cuda":
@@ -273,6 +286,17 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
                     "unset VLLM_USE_V2_MODEL_RUNNER=0 or use a model the V2 runner supports")
     split = f" trainers, {args.rollout_ranks} rollout ranks" if run.layout else ""
     log.info(f"model family {run.family.describe()}")
+    if replays_routes(args, run.family):
+        install_route_replay(trained["policy"][0])
+        log.info("routing replay: the trainer routes every token to the experts the engine routed it to" +
+                 (" (vLLM-CPU: the engine's prefix cache off)" if run.device.type == "cpu" else ""))
+    elif run.family.num_experts and args.routing_replay:
+        log.info(f"routing replay off: the {args.rollout_engine} engine returns no routes")
+    if args.lora_rank:
+        log.info(f"LoRA rank {args.lora_rank} on {', '.join(lora_targets(args))}")
+        if args.rollout_engine == "vllm" and not args.lora_merge and \
+                (problem := adapter_serving_problem(run.family.num_experts, run.device.type)):
+            log.info(problem)
     log.info(f"world size {run.world_size}{split}, {type(engine).__name__} (model runner {runner}), "
              f"{len(run.train_ids)} train / {len(run.test_ids)} test prompts, starting after step {start_step}")
     for tool, description in sandbox_descriptions(run.task).items():
@@ -315,6 +339,10 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
             fail(f"{alarm}; stopped by --strict-mismatch, the last checkpoint is left as it was")
         get_logger(run.rank).warning(f"{alarm} (warned once; --strict-mismatch stops the run instead)")
     metrics.update(rollout.rollout_metrics)
+    if (replay := getattr(trained["policy"][0], "route_replay", None)) is not None:
+        counts = replay.take_counts().to(run.device)
+        dist.all_reduce(counts)  # the step's (token, MoE layer) pairs whose own experts were the engine's, of all
+        metrics["routing/same_experts"] = float(counts[0] / counts[1]) if counts[1] else 1.0
     if evaluation_due(step, args.eval_every, args.total_steps):
         metrics.update(evaluation(engine, run))
     tracker.log(step, metrics)

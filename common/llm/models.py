@@ -22,6 +22,7 @@ from common.llm.attention import (
     register_padded_attention,
 )
 from common.llm.lora import LoRASpec, apply_lora, lora_scales, merged_weights
+from common.llm.routing import recompute_context
 from common.llm.state import LLMArgs
 from common.tracking import get_logger
 
@@ -168,7 +169,8 @@ def shard_model(model: torch.nn.Module, args: LLMArgs, device: torch.device, tra
     blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
     if trainable and args.gradient_checkpointing:  # around the block's forward, inside the FSDP hooks that gather it
         for block in blocks:
-            block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+            block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False,
+                                              context_fn=functools.partial(recompute_context, model))  # MoE routes
     mesh = training_mesh(device.type, fsdp_shard_size(args.fsdp_shard_size, dist.get_world_size()))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # a frozen model never runs the backward that would reshard it: kept gathered, it would hold a full copy all run

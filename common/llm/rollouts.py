@@ -15,6 +15,7 @@ from common.distributed import (
     all_gather_rows,
     all_ranks_ok,
     end,
+    fail,
     keeping_trainer_nccl_env,
     reduce_stats,
     run_before_leaving,
@@ -23,8 +24,17 @@ from common.llm.engines import FakeEngine, make_engine, sample_seed
 from common.llm.episodes import episode_sums, is_multi_turn, run_episodes, score_samples
 from common.llm.evaluation import evaluate
 from common.llm.layout import RemoteRollouts, receive_weights, send_evaluation, send_samples
-from common.llm.lora import is_adapter, lora_layers, lora_scales, lora_spec, merged_weights, serves_adapters
+from common.llm.lora import (
+    is_adapter,
+    lora_layers,
+    lora_scales,
+    lora_spec,
+    merged_weights,
+    serves_adapters,
+    unserved_targets_problem,
+)
 from common.llm.models import stream_weights
+from common.llm.routing import moe_layers, replays_routes
 from common.llm.scoring import RewardModel, decode_completion
 from common.llm.state import LLMRun, Rollout, Sample, checkpoint_due, evaluation_due
 from common.preemption import EXIT_PREEMPTED, step_boundary
@@ -42,8 +52,13 @@ def start_engine(run: LLMRun) -> object:
     engine = keeping_trainer_nccl_env(lambda: make_engine(
         args.rollout_engine, args.model_name_or_path, args.dtype, args.vllm_tp, max_model_len, run.device,
         args.vllm_kv_cache_memory_bytes, args.vllm_gpu_memory_utilization, colocated=run.layout is None,
-        lora=lora_spec(args) if serves_adapters(args) else None, prefix_cache=args.prefix_cache))
+        lora=lora_spec(args) if serves_adapters(run) else None, prefix_cache=args.prefix_cache,
+        routes=(moe_layers(args.model_name_or_path), run.family.experts_per_token)
+        if replays_routes(args, run.family) else None))
     run_before_leaving(engine.close)  # a run stopped by `fail` shuts its engine down while the group exists
+    if getattr(engine, "served_lora_modules", None) and \
+            (problem := unserved_targets_problem(lora_spec(args).targets, engine.served_lora_modules)):
+        fail(problem)
     return engine
 
 

@@ -15,14 +15,29 @@ from tasks import TASK_HELP, Example, Task
 
 try:  # the scripts' flag parser; the library runs without it (benchmarks/first_gpu_check.py on a bare GPU machine)
     import tyro
-
-    TASK_FLAG = tyro.conf.arg(help=TASK_HELP)
 except ImportError:
-    TASK_FLAG = None
+    tyro = None
 
-# LoRA's default targets: every attention and MLP projection of a Llama/Qwen-style block
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+def flag_help(text: str) -> object:
+    """A flag's whole help text for tyro (which shows only the first line of a field's comment), or None without
+    tyro."""
+    return tyro.conf.arg(help=text) if tyro else None
+
+
+TASK_FLAG = flag_help(TASK_HELP)
+
 EMBEDDED_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "tiny-adder")
+LORA_TARGETS_HELP = (
+    "the linear layers adapted, by the last part of their names; empty (the default): the family's attention and MLP "
+    "projections whatever it names them (Qwen, Llama: q, k, v, o, gate, up, down_proj; Phi-3: qkv_proj, o_proj, "
+    "gate_up_proj, down_proj; Gated DeltaNet: in_proj_*, out_proj). MoE models: attention only, the experts, shared "
+    "experts and router stay frozen, and on vLLM-CPU the engine gets merged weights (vLLM-CPU serves no LoRA on a MoE "
+    "model; docs/lora.md). The resolved list is in the log and the manifest")
+ROUTING_REPLAY_HELP = (
+    "MoE models with a vLLM engine (R3, common/llm/routing.py): the trainer sends every token to the experts the "
+    "engine routed it to, its own router weighing them; no effect on dense models. On vLLM-CPU the engine's prefix "
+    "cache is then off (the capture there sees only the tokens it computes); on GPUs it needs the prefix cache")
 
 
 @dataclass
@@ -58,7 +73,7 @@ class LLMArgs:
     # LoRA wants about 10x the full fine-tuning learning rate (tinker-cookbook's get_lora_lr_over_full_finetune_lr
     # returns 10; verl's LoRA docs say "an order of magnitude"): raise --learning-rate with it
     lora_alpha: float = 16.0  # the adapters' update is scaled by alpha / r
-    lora_target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS  # the linear layers adapted (by their names' last part)
+    lora_target_modules: Annotated[tuple[str, ...], flag_help(LORA_TARGETS_HELP)] = ()
     lora_merge: bool = False  # give the engine merged weights (float32 merge into a copy, rounded once) instead of
     # the adapters: decode runs at the base model's speed, and each sync moves the whole model
     export_merged: bool = False  # a LoRA checkpoint also exports the merged model (merged/), loadable without PEFT
@@ -85,6 +100,7 @@ class LLMArgs:
     # 0: colocated, every rank generates and trains
     max_staleness: int = 0  # with --rollout-ranks: 1 samples batch t + 1 while batch t trains (with the weights
     # after update t - 1: one step off-policy); 0 waits for each update. The schedule is fixed either way
+    routing_replay: Annotated[bool, flag_help(ROUTING_REPLAY_HELP)] = True
     vllm_kv_cache_memory_bytes: int = 64 * 2**20  # KV-cache size of the vLLM engine on CPU
     prefix_cache: bool = True  # vLLM's prefix cache (multi-turn episodes resubmit prompt + episode each turn: mostly
     # hits); --no-prefix-cache recomputes every prompt, for a GPU where a cached prefix is found to change a sample
@@ -178,6 +194,8 @@ class Sample:
     truncated: bool  # hit max_tokens before the end-of-sequence token (multi-turn: the episode's last model turn)
     loss_mask: list[int] | None = None  # multi-turn: 1 on the tokens the model sampled, 0 on the environment's
     episode: Episode | None = None  # multi-turn: its score, turns and events
+    routes: torch.Tensor | None = None  # --routing-replay: [prompt + completion tokens, MoE layers, experts per token]
+    # int16, the experts the engine routed each token to, -1 where it routed none (common/llm/routing.py)
 
     def model_mask(self) -> list[int]:
         """1 on every token the model sampled (all of them, single-turn), 0 on the environment's."""
