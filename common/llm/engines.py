@@ -190,7 +190,7 @@ class HFEngine:
         input_ids = _pack(prompts, longest, eos_ids[0] if eos_ids else 0, torch.long, left=True).to(self.device)
         attention_mask = _pack([[1] * len(p) for p in prompts], longest, 0, torch.long, left=True).to(self.device)
         generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
-        cache = DynamicCache()
+        cache = DynamicCache(config=self.model.config)  # a layer per kind: linear attention keeps a state, no keys
         tokens = [[] for _ in range(batch)]
         logprobs = [[] for _ in range(batch)]
         done = [limit == 0 for limit in limits]

@@ -1,0 +1,85 @@
+"""The hybrid linear-attention families (Gated DeltaNet layers beside full attention: Qwen3-Next, Qwen3.5, Qwen3.5-MoE)
+and the sliding-window ones under the `transformers` rollout engine: built tiny by assets/build_model_zoo.py."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from assets.build_model_zoo import build_family
+from common.llm.engines import HFEngine
+
+# three prompt lengths: the shortest gets 8 columns of left padding in a batch with the longest
+PROMPTS = [[3, 4, 12, 5, 13], [6, 12, 7, 8, 13, 9, 10, 11, 12, 4, 3, 5, 13], [9, 10, 11, 12, 4, 13]]
+SEEDS = [11, 22, 33]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("zoo")
+    return lambda family: build_family(family, root / family) if not (root / family).exists() else root / family
+
+
+def forward_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The completion's logprobs from one unpadded forward of prompt + completion, as the trainer scores them."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3"])
+def test_hf_engine_left_padding_reaches_no_state(zoo, family: str):
+    """A prompt sampled alone and inside a batch with longer prompts (so behind left padding) gives the same tokens and
+    logprobs, and both equal an unpadded forward of the sampled sequence: the padding enters neither a Gated DeltaNet
+    layer's recurrent and convolution state nor (Gemma 3: window 4, shorter than every sequence here) a sliding
+    window. The engine's cache is built from the model's config (a linear-attention layer keeps a state, no keys);
+    without it the first hybrid forward failed (IndexError in update_conv_state)."""
+    engine = HFEngine(str(zoo(family)), torch.float32, torch.device("cpu"))
+    together = engine.generate(PROMPTS, SEEDS, max_tokens=8, temperature=1.0, eos_ids=[1])
+    assert sum(len(sample.completion_ids) for sample in together) > 12  # measured: not all stopped at once
+    for index, prompt in enumerate(PROMPTS):
+        alone = engine.generate([prompt], [SEEDS[index]], max_tokens=8, temperature=1.0, eos_ids=[1])[0]
+        assert together[index].completion_ids == alone.completion_ids
+        # another batch shape rounds float32 otherwise: measured up to 4.8e-7
+        torch.testing.assert_close(torch.tensor(together[index].logprobs), torch.tensor(alone.logprobs),
+                                   atol=1e-6, rtol=0)
+        trainer = forward_logprobs(engine.model, prompt, alone.completion_ids)
+        torch.testing.assert_close(trainer, torch.tensor(alone.logprobs, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_unmasked_left_padding_would_enter_the_linear_attention_state(zoo, monkeypatch):
+    """Negative control for the test above: the same left-padded prompt with the padding hidden from the Gated
+    DeltaNet layer's mask alone (transformers' recurrent mask made None; the full-attention layer still masks it)
+    moves the next token's logprobs well past float32 rounding."""
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    model = HFEngine(str(zoo("qwen3_next")), torch.float32, torch.device("cpu")).model
+    prompt, padding = PROMPTS[0], 8
+    padded = torch.tensor([[1] * padding + prompt])
+    mask = torch.tensor([[0] * padding + [1] * len(prompt)])
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def next_token_logprobs(ids: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(ids, **kwargs).logits[0, -1].log_softmax(-1)
+
+    alone = next_token_logprobs(torch.tensor([prompt]))
+    torch.testing.assert_close(next_token_logprobs(padded, attention_mask=mask, position_ids=position_ids), alone,
+                               atol=1e-6, rtol=0)
+    monkeypatch.setattr(modeling_qwen3_next, "create_recurrent_attention_mask", lambda **kwargs: None)
+    unmasked = next_token_logprobs(padded, attention_mask=mask, position_ids=position_ids)
+    assert (unmasked - alone).abs().max() > 1e-3
+
+
+def test_zoo_builds_the_hybrid_families_with_both_layer_kinds(zoo, tmp_path: Path):
+    """Each hybrid zoo model holds one Gated DeltaNet layer and one full-attention layer, and the same seed gives the
+    same weights."""
+    from transformers import AutoModelForCausalLM
+
+    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        model = AutoModelForCausalLM.from_pretrained(zoo(family))
+        assert model.config.layer_types == ["linear_attention", "full_attention"]
+        assert any(type(module).__name__.endswith("GatedDeltaNet") for module in model.modules())
+    again = AutoModelForCausalLM.from_pretrained(build_family("qwen3_5", tmp_path / "again"))
+    first = AutoModelForCausalLM.from_pretrained(zoo("qwen3_5"))
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
