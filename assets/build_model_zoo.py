@@ -20,6 +20,9 @@ COMMON = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1
           "num_hidden_layers": 2, "intermediate_size": 256, "max_position_embeddings": 128,
           "rms_norm_eps": 1e-6}
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+# Gated DeltaNet at the smallest shapes vLLM-CPU runs: its chunked kernel (chunk_gated_delta_rule_cpu) needs key and
+# value head dims equal and a multiple of 32, and refuses 32 ("Unexpected head dim size"); 2 value heads per key head
+# as the real models group them; a convolution of width 4, the one vLLM-CPU prepacks on CPUs with AVX512-BF16.
 LINEAR_ATTENTION = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                     "linear_num_key_heads": 1, "linear_num_value_heads": 2,
                     "layer_types": ["linear_attention", "full_attention"]}

@@ -196,7 +196,11 @@ class VLLMEngine:
 
 class HFEngine:
     """The fallback: a plain `transformers` copy of the policy, sampled token by token with a KV cache; each row draws
-    from its own generator, seeded per sample."""
+    from its own generator, seeded per sample. Prompts are left-padded into one batch; the cache is built from the
+    model's config, one layer per kind (a Gated DeltaNet layer keeps a recurrent and a convolution state, a sliding
+    layer its window), and `transformers` zeroes the padding's inputs to a linear-attention layer, so a prompt's
+    samples do not depend on its batch-mates (every family of assets/build_model_zoo.py, float32: the same tokens,
+    logprobs within 4.8e-7; tests/test_hybrid_families.py)."""
 
     def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, batch_size: int = 256) -> None:
         from transformers import AutoModelForCausalLM
@@ -221,7 +225,7 @@ class HFEngine:
         input_ids = _pack(prompts, longest, eos_ids[0] if eos_ids else 0, torch.long, left=True).to(self.device)
         attention_mask = _pack([[1] * len(p) for p in prompts], longest, 0, torch.long, left=True).to(self.device)
         generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
-        cache = DynamicCache()
+        cache = DynamicCache(config=self.model.config)
         tokens = [[] for _ in range(batch)]
         logprobs = [[] for _ in range(batch)]
         done = [limit == 0 for limit in limits]

@@ -109,23 +109,27 @@ def _has_sinks(text_config: object) -> bool:
 
 
 def engine_problem(family: Family, engine: str, dtype: str, device_type: str) -> str | None:
-    """Why vLLM cannot run this family here as asked, with what to use instead; None when it can (or the engine is
-    not vLLM). Checked on every rank before any model loads."""
+    """Why vLLM cannot run this family here as asked, each reason with its remedy and `--rollout-engine hf` last;
+    None when it can (or the engine is not vLLM). Checked on every rank before any model loads. Every reason is
+    named at once: Qwen3.5 in float32 needs both torchvision and bfloat16, and a user who fixed the first alone would
+    meet the second only after installing."""
     if engine != "vllm":
         return None
+    reasons = []
     if family.served_otherwise:
-        return (f"{family.model_type}: vLLM's module for {family.architecture} computes another model than this "
-                f"config describes: {'; '.join(family.served_otherwise)}; pass --rollout-engine hf")
-    if device_type == "cpu" and LINEAR_ATTENTION in family.layer_types and dtype != "bfloat16":
-        return (f"{family.model_type}: vLLM-CPU's Gated DeltaNet kernels run in bfloat16 only (vllm/model_executor/"
-                "layers/mamba/ops/cpu/gdn_attention.py); pass --dtype bfloat16, or --rollout-engine hf to sample in "
-                f"{dtype} with transformers")
+        reasons.append(f"vLLM's module for {family.architecture} computes another model than this config describes "
+                       f"({'; '.join(family.served_otherwise)})")
     problem = vllm_module_problem(family.architecture)
     if problem:
-        return (f"{family.model_type}: vLLM's module for {family.architecture} does not import here ({problem}); "
-                "install what it names (on CPUs, torchvision from PyTorch's CPU index: docs/install.md), or pass "
-                "--rollout-engine hf")
-    return None
+        reasons.append(f"vLLM's module for {family.architecture} does not import here ({problem}): install what it "
+                       "names (torchvision on CPUs comes from PyTorch's CPU index: docs/install.md)")
+    if device_type == "cpu" and LINEAR_ATTENTION in family.layer_types and dtype != "bfloat16":
+        reasons.append("vLLM-CPU's Gated DeltaNet kernels run in bfloat16 only (vllm/model_executor/layers/mamba/ops/"
+                       "cpu/gdn_attention.py): pass --dtype bfloat16")
+    if not reasons:
+        return None
+    return (f"{family.model_type} ({family.architecture}) cannot be sampled by vLLM here: " + "; and ".join(reasons)
+            + f"; or pass --rollout-engine hf to sample with transformers in {dtype}")
 
 
 @cache
