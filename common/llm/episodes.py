@@ -94,9 +94,10 @@ def episode_prompt(run: LLMRun, example: Example, opening: str | None) -> list[i
                          "environment_prompts = True")
     text = task.format_prompt(tokenizer, replace(example, prompt=example.prompt + opening))
     ids = tokenizer(text, add_special_tokens=not run.templated).input_ids
-    if not ids or len(ids) > run.args.max_prompt_length:
+    if not ids or len(ids) > run.prompt_limit:
         raise ValueError(f"the prompt the environment's reset wrote is {len(ids)} tokens, outside 1 to "
-                         f"--max-prompt-length {run.args.max_prompt_length}: {text[:200]!r}")
+                         f"{run.prompt_limit} (--max-prompt-length, or what the model's context leaves after "
+                         f"--max-completion-length): {text[:200]!r}")
     return ids
 
 
@@ -116,14 +117,13 @@ def probe_environment(task: Task, tokenizer: object, example: Example, max_turns
     environment = environment_of(task)
     if environment is None:
         return None
-    name = type(environment).__name__
     try:
         opening = start_episode(environment, example, max_turns, start_seed("probe"))
     except Exception as error:
-        return (f"the task's environment ({name}) failed in reset on prompt {example.prompt!r} (a probe before any "
-                f"model loads): {error!r}")
+        return (f"the task's environment failed in reset on prompt {example.prompt!r} (a probe before any model "
+                f"loads): {error!r}")
     if opening is not None and (problem := check_reply_encodes(tokenizer, opening)):
-        return f"the task's environment ({name}) reset writes a prompt the model cannot read: {problem}"
+        return f"the task's environment's reset writes a prompt the model cannot read: {problem}"
     reply = None
     if environment.probe_text is not None:
         try:
@@ -135,7 +135,7 @@ def probe_environment(task: Task, tokenizer: object, example: Example, max_turns
     try:
         check_finish(environment.finish())
     except Exception as error:
-        return f"the task's environment ({name}) failed in finish after the probe (before any model loads): {error!r}"
+        return f"the task's environment failed in finish after the probe (before any model loads): {error!r}"
     return check_reply_encodes(tokenizer, reply) if reply is not None else None
 
 

@@ -34,8 +34,8 @@ from tasks.tools import environment_of
 def start_engine(run: LLMRun) -> object:
     """This rank's rollout engine. Colocated on a GPU it sleeps while the trainer works; split, it has its GPU."""
     args = run.args
-    longest = args.max_prompt_length if run.task.environment_prompts else max(map(len, run.train_ids + run.test_ids))
-    max_model_len = longest + args.max_completion_length  # an environment writing prompts may go to the flag's bound
+    longest = run.prompt_limit if run.task.environment_prompts else max(map(len, run.train_ids + run.test_ids))
+    max_model_len = longest + args.max_completion_length  # an environment writing prompts may go to its limit
     if run.device.type == "cuda":  # loading held one full tensor at a time; vLLM sizes itself from free memory
         torch.cuda.empty_cache()
     if args.rollout_engine == "fake":

@@ -150,6 +150,8 @@ class LLMRun:
     resume_state: dict | None  # trainer_state.pt as this rank needs it: step, args, world size, extra, its RNG states
     layout: Layout | None  # the split layout's groups (--rollout-ranks); rank and world_size are then this side's
     lora_base: dict | None = None  # rank 0, with --lora-rank: the base model's path and weights fingerprint
+    prompt_limit: int = 0  # an environment that writes prompts (Task.environment_prompts): the longest such prompt,
+    # --max-prompt-length or what the model's context leaves after --max-completion-length, whichever is shorter
 
 
 @dataclass
