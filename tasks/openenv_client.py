@@ -21,6 +21,7 @@ response equals the one recorded (a seeded, deterministic environment), so the b
 ends (episode/failed_connection). A step past its limit ends the episode (episode/failed_timeout), as does an error
 the server reports for a step (episode/failed_error); a reset that fails stops the run."""
 
+import atexit
 import json
 import threading
 import urllib.request
@@ -197,6 +198,8 @@ class OpenEnvTask(AdapterTask):
         except OSError as error:
             self.pool.close()
             raise TaskError(f"cannot open a session on the OpenEnv server at {self.url} ({error})") from error
+        atexit.register(self.pool.close)  # before a launched server stops (exit handlers run last first): no
+        # session left open for its graceful shutdown to wait on
         self.tools, self.tool_schemas = {}, []
         if self.tools_mode:
             session = self.pool.take()

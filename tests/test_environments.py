@@ -284,6 +284,16 @@ def test_a_server_with_fewer_sessions_than_episodes_is_refused_and_mcp_tools_are
         make_task(f"openenv:{HELPERS}:OneSessionServer", options())
 
 
+def test_the_episodes_a_rank_runs_at_once():
+    """What a rank's sessions must cover: a training step's rows, or its share of an evaluation (k samples each),
+    whichever is more; a split layout's trainer runs none but its probe."""
+    settings = dict(prompts_per_step=8, num_generations=4, num_eval_prompts=0, generating_ranks=2)
+    assert EnvOptions(**settings).episodes_at_once(test_count=10) == 16  # training: 8 x 4 / 2
+    assert EnvOptions(**settings).episodes_at_once(test_count=41) == 21  # evaluation: 41 / 2, rounded up
+    assert EnvOptions(**settings, eval_samples=4).episodes_at_once(test_count=10) == 20  # 5 prompts x 4 samples
+    assert EnvOptions(**settings, generates=False).episodes_at_once(test_count=41) == 1
+
+
 def test_a_launched_server_goes_when_its_trainer_is_killed(tmp_path: Path):
     """A trainer killed outright (no exit handler runs) still takes its server along: the parent-death signal."""
     code = ("import sys, time\nfrom tasks.openenv_launch import LaunchedServer\n"
