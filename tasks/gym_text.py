@@ -2,11 +2,12 @@
 gym:my_env.py:MyEnv` for a class in the older gym API, `--task gym:MyText-v0` (or `gym:my_package.envs:MyText-v0`) for
 a registered id, made by `gymnasium.make`.
 
-An episode: a fresh environment, `reset(seed=the episode's start seed)` (tasks/base.py, Environment; `options=` the
-row when there is one and reset takes options) whose observation is the prompt (appended to the row's prompt, if
-any); then each model turn's text is the action, and `step` returns the observation that is the reply, a reward, and
-the end: gymnasium's 5-tuple (observation, reward, terminated, truncated, info) or gym's 4-tuple (observation,
-reward, done, info). The episode's reward is the sum of the step rewards; it is correct when the sum is 1 or more.
+An episode: a fresh environment, `reset(seed=the episode's start seed)` (tasks/base.py, Environment; the row's own
+`seed` field where it has one; `options=` the row when there is one and reset takes options) whose observation is
+the prompt (appended to the row's prompt, if any); then each model turn's text is the action, and `step` returns the
+observation that is the reply, a reward, and the end: gymnasium's 5-tuple (observation, reward, terminated,
+truncated, info) or gym's 4-tuple (observation, reward, done, info). The episode's reward is the sum of the step
+rewards; it is correct when the sum is 1 or more.
 Observations and actions are text; a non-text observation stops the run with a message naming the class and method.
 Every call runs on the episode's own thread, bounded by --env-time-limit-s (tasks/adapters.py): a step past it ends
 the episode (counted as episode/failed_timeout); a reset past it stops the run."""
@@ -51,7 +52,7 @@ class GymTextEnvironment(Environment):
         self.thread = EnvironmentThread(self.name, self.task.options.time_limit_s)
         self.environment = self.thread.run(f"{self.name}()", self.task.make)
         reset = self.environment.reset
-        keywords = {"seed": self.seed} if takes_argument(reset, "seed") else {}
+        keywords = {"seed": example.data.get("seed", self.seed)} if takes_argument(reset, "seed") else {}
         if example.data and takes_argument(reset, "options"):
             keywords["options"] = dict(example.data)
         result = self.thread.run(f"{self.name}.reset", reset, **keywords)

@@ -27,7 +27,7 @@ import threading
 import urllib.request
 from dataclasses import replace
 
-from tasks.adapters import AdapterTask, EnvOptions
+from tasks.adapters import AdapterTask, EnvOptions, warn_once
 from tasks.base import Environment, Example, TaskError
 from tasks.tools import MAX_REPLY_CHARS, hermes_call
 
@@ -313,6 +313,8 @@ class OpenEnvEnvironment(Environment):
             return None, 0.0, True
         except TimeoutError:
             self.events["failed_timeout"] += 1
+            warn_once(f"OpenEnv: a step at {self.task.url} ran past its {self.task.options.time_limit_s:g} s limit "
+                      "(--env-time-limit-s): its episode ends (counted as episode/failed_timeout); warned once")
             return None, 0.0, True
         except (Diverged, ConnectionLost):
             self.events["failed_connection"] += 1
