@@ -252,6 +252,7 @@ def test_an_openenv_server_plays_text_episodes_and_replays_one_whose_connection_
     assert (opening, [first, *rest]) == undisturbed[:2] and environment.events["reconnects"] == 1
     environment.finish()
     assert play(task, 21, [product(opening)])[1] == [(None, 1.0, True)]
+    task.pool.close()  # the server's sessions free for the end-to-end run below
 
 
 def test_a_server_with_fewer_sessions_than_episodes_is_refused_and_mcp_tools_are_the_models(tmp_path: Path):
