@@ -107,6 +107,18 @@ def warn_once(message: str) -> None:
         sys.stderr.write(f"warning: {message}\n")
 
 
+def accepted_keywords(function: object, keywords: dict) -> dict:
+    """The keywords `function` takes: all of them where it has `**kwargs`, else those its signature names (as an
+    OpenEnv server filters a reset's fields): a row's `prompt` does not break a `reset(self, seed=None)`."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return keywords
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return keywords
+    return {name: value for name, value in keywords.items() if name in parameters}
+
+
 class CallTimeout(Exception):
     """A call into an environment ran past --env-time-limit-s (or was not made: an earlier one still runs)."""
 

@@ -3,7 +3,8 @@
 (`--task my_env.py:ENVIRONMENTS`). The contract: `MyEnv()` takes no arguments; `reset(**row)` returns None or text,
 which extends the prompt's user message; every other public method is a tool, with typed arguments and a Google-style
 docstring with an `Args:` section (our tool format, tasks/tools.py); an optional `get_reward()` returns a number once
-per finished episode.
+per finished episode. A reset without `**row` gets the row's fields its signature names (as an OpenEnv server
+filters them), so `reset(self)` works on a dataset with a `prompt` field.
 
 Each episode gets a fresh instance (TRL keeps one per rollout slot and resets it): an episode is then a function of
 the class, its row and its seed alone, whichever rank, thread or step runs it, so two runs and a resumed run give the
@@ -21,7 +22,14 @@ answer through a tool, as TRL's environments do)."""
 import inspect
 from dataclasses import replace
 
-from tasks.adapters import AdapterTask, CallTimeout, EnvironmentThread, EnvOptions, takes_argument
+from tasks.adapters import (
+    AdapterTask,
+    CallTimeout,
+    EnvironmentThread,
+    EnvOptions,
+    accepted_keywords,
+    takes_argument,
+)
 from tasks.base import Example, TaskError
 from tasks.tools import ToolCall, ToolEnvironment, ToolTimeout, hermes_call
 
@@ -139,7 +147,8 @@ class ClassEnvironment(ToolEnvironment):
         row = {k: v for k, v in example.data.items() if not (self.task.routed and k == "environment")}
         if takes_argument(self.instance.reset, "seed") and "seed" not in row:
             row["seed"] = self.seed
-        opening = self.thread.run(f"{cls.__name__}.reset", self.instance.reset, **row)
+        opening = self.thread.run(f"{cls.__name__}.reset", self.instance.reset,
+                                  **accepted_keywords(self.instance.reset, row))
         if opening is not None and not isinstance(opening, str):
             raise TypeError(f"{cls.__name__}.reset returned {type(opening).__name__}: TRL's contract is text (which "
                             "extends the prompt) or None")

@@ -128,6 +128,7 @@ def test_trl_classes_that_break_the_contract_are_refused_naming_class_and_method
         "class Letters:\n    def reset(self, **row):\n        return 'what is six times seven?'\n\n"
         "class Echo:\n    def reset(self, prompt='', **row):\n        self.row = row\n        return ':'\n\n"
         "class Double(Echo):\n    pass\n\n"
+        "class Bare:\n    def reset(self):\n        return '*'\n\n"
         "ROUTED = {'echo': Echo, 'double': Double}\n")
     with pytest.raises(TaskError, match="not a subclass of tasks.Task, nor an environment class in TRL's contract"):
         make_task(f"{module}:NoReset", options())
@@ -151,6 +152,8 @@ def test_trl_classes_that_break_the_contract_are_refused_naming_class_and_method
     start_episode(second, routed.train[1], 4, 5)
     assert type(first.instance).__name__ == "Double" and first.instance.row == {"level": 3}  # no `environment` field
     assert type(second.instance).__name__ == "Echo" and first.example.prompt == "1:"  # the row's prompt, extended
+    bare = make_task(f"{module}:Bare", options(dataset=str(rows)))  # reset(self): the row's fields it does not name
+    assert start_episode(environment_of(bare), bare.train[0], 4, 5) == "*"  # are not passed
     (tmp_path / "wrong.jsonl").write_text(json.dumps({"environment": "triple"}) + "\n")
     with pytest.raises(TaskError, match=r"has environment 'triple'; the environments are \['double', 'echo'\]"):
         make_task(f"{module}:ROUTED", options(dataset=str(tmp_path / "wrong.jsonl")))
