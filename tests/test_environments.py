@@ -432,8 +432,11 @@ def test_the_docs_examples_play_their_episodes(tmp_path: Path):
     gym = make_task(f"{docs_block('## Gymnasium text environments', 'higher_lower', tmp_path)}:HigherLower",
                     options())
     assert find(gym, lambda environment, n: environment.step(str(n))) == [(None, 1.0, True)]
+    from tasks.openenv_launch import LaunchedServer
+
     served = make_task(f"openenv:{docs_block('## OpenEnv servers', 'guess_server', tmp_path)}:GuessServer",
-                       options(time_limit_s=120.0))
+                       options(time_limit_s=120.0))  # a server of its own, as a rank starts one
+    assert isinstance(served.server, LaunchedServer)
     try:
         assert (served.action_field, served.observation_field) == ("guess", "message")
         assert find(served, lambda environment, n: environment.step(str(n))) == [(None, 1.0, True)]
