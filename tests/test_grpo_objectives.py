@@ -189,7 +189,7 @@ def fake_run(rounds: int, task: ParityTask) -> SimpleNamespace:
 
 def drawn(engine: FakeEngine, run: SimpleNamespace, step: int, refill_round: int) -> list[tuple]:
     """A round's groups as the engine and the task give them: (prompt index, completion ids, scores) per group."""
-    indices, seeds = rank_rows(run, step, refill_round)
+    indices, seeds, _ = rank_rows(run, step, refill_round)
     samples = engine.generate([run.train_ids[i] for i in indices], seeds, run.args.max_completion_length, 1.0,
                               run.eos_ids)
     scores = [run.task.reward(decode_completion(run.tokenizer, s.completion_ids, run.eos_ids), run.train[i])

@@ -63,9 +63,9 @@ def test_a_users_task_that_cannot_load_says_why(tmp_path: Path):
         make_task(f"{tmp_path}/broken.py:Task")
     (tmp_path / "other.py").write_text("from tasks import Task\nclass Mine(Task):\n    pass\nclass Plain:\n"
                                        "    pass\n")
-    with pytest.raises(TaskError, match=r"has no class 'Yours' \(its Task classes: \['Mine', 'Task'\]\)"):
+    with pytest.raises(TaskError, match=r"has no class 'Yours' \(the classes it defines: \['Mine', 'Plain'\]\)"):
         make_task(f"{tmp_path}/other.py:Yours")
-    with pytest.raises(TaskError, match="not a subclass of tasks.Task"):
+    with pytest.raises(TaskError, match="not a subclass of tasks.Task, nor an environment class"):  # no reset
         make_task(f"{tmp_path}/other.py:Plain")
     with pytest.raises(TaskError, match="task module 'no_such_package.tasks' does not import"):
         make_task("no_such_package.tasks:Task")

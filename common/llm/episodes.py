@@ -11,10 +11,13 @@ and the loss must see those). The turn's text goes to the environment; its reply
 mask 0 and logprob 0.0: with a chat template, the template's tokens for a tool message, computed as a difference on a
 fixed base conversation (the episode itself is never re-templated); without one, the reply's plain encoding.
 
-An episode ends when the environment says so (or has no reply), when the model's turn runs out of budget, when the
-reply would leave no room for another model token (the reply is rolled back: the episode ends truncated, by
-"budget"), or after `--max-turns` model turns. An environment that raises or returns the wrong types stops every
-rank with a message (one collective per call, on every rank, whatever the turn counts)."""
+Before the first turn each environment is reset with its start seed; a task whose environment writes the prompt
+(`Task.environment_prompts`, TRL's contract) gets each episode's prompt encoded after its reset, kept with the sample
+(`Sample.prompt_ids`) for the loss. An episode ends when the environment says so (or has no reply), when the model's
+turn runs out of budget, when the reply would leave no room for another model token (the reply is rolled back: the
+episode ends truncated, by "budget"), or after `--max-turns` model turns; then every environment's `finish()` adds
+its last reward. An environment that raises or returns the wrong types stops every rank with a message (one
+collective per call, on every rank, whatever the turn counts)."""
 
 import functools
 import hashlib
@@ -24,6 +27,7 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -48,16 +52,57 @@ def turn_seed(seed: int, turn: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/turn/{turn}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
+def start_seed(*coordinates: object) -> int:
+    """An episode's start-state seed (tasks/base.py, Environment) from its coordinates: (--seed, step, prompt) in
+    training, ("test", test index) in evaluation. 32 bits: what numpy's legacy seeding and most environments take."""
+    digest = hashlib.sha256("/".join(map(str, (*coordinates, "start"))).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
 def is_multi_turn(task: Task) -> bool:
     return environment_of(task) is not None
 
 
-def start_episode(environment: Environment, example: Example, max_turns: int) -> None:
+def start_episode(environment: Environment, example: Example, max_turns: int, seed: int) -> str | None:
     """What the environment knows before its first step (tasks/base.py, Environment): the turn limit, empty events,
-    no verdict yet; then its own `reset`."""
-    environment.max_turns, environment.turn = max_turns, 0
+    no verdict yet, its start seed; then its own `reset`, whose text (if any) extends the prompt."""
+    environment.max_turns, environment.turn, environment.seed = max_turns, 0, seed
     environment.events, environment.correct = Counter(), None
-    environment.reset(example)
+    opening = environment.reset(example)
+    if opening is not None and not isinstance(opening, str):
+        raise TypeError(f"reset must return text or None, got {type(opening).__name__}")
+    return opening
+
+
+def check_finish(value: object) -> float:
+    """An environment's `finish()` result as a number, or TypeError saying what is wrong (or what it raised)."""
+    if isinstance(value, Exception):
+        raise value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(f"finish must return a finite number (a last reward), got {value!r}")
+    return float(value)
+
+
+def episode_prompt(run: LLMRun, example: Example, opening: str | None) -> list[int] | None:
+    """The episode's own prompt ids when its environment's reset wrote text (`Task.environment_prompts`): the user
+    message extended by it, formatted and encoded as the task's prompts are. None when reset wrote nothing; ValueError
+    when the task did not ask for it, or the prompt is empty or longer than --max-prompt-length."""
+    task, tokenizer = run.task, run.tokenizer
+    if opening is None:
+        if task.environment_prompts and not example.prompt:
+            raise ValueError("the row has no prompt and the environment's reset returned no text: the model would "
+                             "start from nothing")
+        return None
+    if not task.environment_prompts:
+        raise ValueError("reset returned text, which extends the prompt only for a task that sets "
+                         "environment_prompts = True")
+    text = task.format_prompt(tokenizer, replace(example, prompt=example.prompt + opening))
+    ids = tokenizer(text, add_special_tokens=not run.templated).input_ids
+    if not ids or len(ids) > run.prompt_limit:
+        raise ValueError(f"the prompt the environment's reset wrote is {len(ids)} tokens, outside 1 to "
+                         f"{run.prompt_limit} (--max-prompt-length, or what the model's context leaves after "
+                         f"--max-completion-length): {text[:200]!r}")
+    return ids
 
 
 def check_reply_encodes(tokenizer: object, text: str) -> str | None:
@@ -70,20 +115,31 @@ def check_reply_encodes(tokenizer: object, text: str) -> str | None:
 
 
 def probe_environment(task: Task, tokenizer: object, example: Example, max_turns: int) -> str | None:
-    """Before any model loads: one fresh environment, reset on `example` and stepped once with its `probe_text`,
-    must return (reply, reward, done) of the right types, with a reply the tokenizer can encode. Returns why not, or
-    None (also for a single-turn task, and for an environment whose `probe_text` is None: its step has side
-    effects)."""
+    """Before any model loads: one fresh environment, reset on `example` (its text, if any, must encode), stepped
+    once with its `probe_text` (skipped when that is None: its step has side effects), then finished, must return the
+    right types, with a reply the tokenizer can encode. Returns why not, or None (also for a single-turn task)."""
     environment = environment_of(task)
-    if environment is None or environment.probe_text is None:
+    if environment is None:
         return None
     try:
-        start_episode(environment, example, max_turns)
-        reply, _, _ = check_step(environment.step(environment.probe_text))
+        opening = start_episode(environment, example, max_turns, start_seed("probe"))
     except Exception as error:
-        return (f"the task's environment failed at turn 1 of prompt {example.prompt!r} with model text "
-                f"{environment.probe_text!r} (a probe before any model loads; Environment.probe_text = None skips "
-                f"it): {error!r}")
+        return (f"the task's environment failed in reset on prompt {example.prompt!r} (a probe before any model "
+                f"loads): {error!r}")
+    if opening is not None and (problem := check_reply_encodes(tokenizer, opening)):
+        return f"the task's environment's reset writes a prompt the model cannot read: {problem}"
+    reply = None
+    if environment.probe_text is not None:
+        try:
+            reply, _, _ = check_step(environment.step(environment.probe_text))
+        except Exception as error:
+            return (f"the task's environment failed at turn 1 of prompt {example.prompt!r} with model text "
+                    f"{environment.probe_text!r} (a probe before any model loads; Environment.probe_text = None "
+                    f"skips the step): {error!r}")
+    try:
+        check_finish(environment.finish())
+    except Exception as error:
+        return f"the task's environment failed in finish after the probe (before any model loads): {error!r}"
     return check_reply_encodes(tokenizer, reply) if reply is not None else None
 
 
@@ -155,17 +211,17 @@ def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Cal
     return reply_ids
 
 
-def steps(workers: int, environments: list[Environment], texts: list[str]) -> list[object]:
-    """Each environment's `step` of its text, on up to `workers` threads at once (a sandboxed call waits on its
-    processes, not on the interpreter), in the episodes' order whatever order they finish in. A step that raises
-    gives its exception in its place."""
-    def step(pair: tuple[Environment, str]) -> object:
+def steps(workers: int, environments: list[Environment], texts: list[str] | None) -> list[object]:
+    """Each environment's `step` of its text (`finish()` where `texts` is None), on up to `workers` threads at once
+    (a sandboxed call waits on its processes, a remote one on its server, not on the interpreter), in the episodes'
+    order whatever order they finish in. A call that raises gives its exception in its place."""
+    def step(pair: tuple[Environment, str | None]) -> object:
         try:
-            return pair[0].step(pair[1])
+            return pair[0].finish() if texts is None else pair[0].step(pair[1])
         except Exception as error:
             return error
 
-    pairs = list(zip(environments, texts))
+    pairs = list(zip(environments, texts if texts is not None else [None] * len(environments)))
     if workers <= 1 or len(pairs) <= 1:
         return [step(pair) for pair in pairs]
     with ThreadPoolExecutor(min(workers, len(pairs))) as pool:
@@ -203,9 +259,10 @@ def warn_once_if_lost(tokenizer: object, text: str) -> None:
 
 
 def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples: list[Example], seeds: list[int],
-                 max_tokens: int, temperature: float) -> list[Sample]:
-    """One sample per prompt: an engine call for a single-turn task, else whole episodes (the module's docstring).
-    A collective on every rank for a multi-turn task."""
+                 max_tokens: int, temperature: float, start_seeds: list[int] | None = None) -> list[Sample]:
+    """One sample per prompt: an engine call for a single-turn task, else whole episodes (the module's docstring),
+    each environment reset with its start seed (`start_seeds`; None: each episode's sample seed, cut to 32 bits). A
+    collective on every rank for a multi-turn task."""
     task, tokenizer, eos_ids = run.task, run.tokenizer, run.eos_ids
     if not is_multi_turn(task):  # decided alike on every rank, even one without prompts
         return engine.generate(prompts, seeds, max_tokens, temperature, eos_ids)
@@ -214,16 +271,22 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
     reply_ids = reply_encoder(tokenizer, run.templated, eos_ids)
     workers = run.args.env_workers or max(1, (os.cpu_count() or 1) // local_world_size())
     count, problem = len(prompts), None
+    start_seeds = start_seeds if start_seeds is not None else [seed & (2**32 - 1) for seed in seeds]
+    prompts, own_prompts = list(prompts), [None] * count
     ids: list[list[int]] = [[] for _ in range(count)]
     logprobs: list[list[float]] = [[] for _ in range(count)]
     masks: list[list[int]] = [[] for _ in range(count)]
     routes: list[torch.Tensor | None] = [None] * count  # the last turn's: its engine pass over the whole episode
     rewards, turns, ends, cut = [0.0] * count, [0] * count, ["turns"] * count, [False] * count
-    for environment, example in zip(environments, examples):
+    for i, (environment, example) in enumerate(zip(environments, examples)):
         try:
-            start_episode(environment, example, run.args.max_turns)
+            opening = start_episode(environment, example, run.args.max_turns, start_seeds[i])
+            own_prompts[i] = episode_prompt(run, example, opening)
         except Exception as error:
             problem = problem or f"the task's environment failed in reset on prompt {example.prompt!r}: {error!r}"
+            break
+        if own_prompts[i] is not None:
+            prompts[i] = own_prompts[i]
     running = [] if problem else list(range(count))
     group = getattr(engine, "tp_group", None)  # a tensor-parallel group generates together: each engine call is
     for turn in range(run.args.max_turns):  # its collective, so it goes on while any member has episodes running
@@ -268,6 +331,13 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
                 masks[i] += [0] * len(reply_tokens)
                 still.append(i)
         running = [] if problem else still
+    if problem is None:  # every episode has ended: each environment's last reward, and what it took released
+        for i, outcome in enumerate(steps(workers, environments, None)):
+            try:
+                rewards[i] += check_finish(outcome)
+            except Exception as error:
+                problem = f"the task's environment failed in finish on prompt {examples[i].prompt!r}: {error!r}"
+                break
     undeclared = {name for environment in environments for name in environment.events} - set(event_names)
     if undeclared and problem is None:
         problem = (f"the task's environment counted events {sorted(undeclared)} that its event_names "
@@ -279,7 +349,8 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
         correct = environment.correct if environment.correct is not None else rewards[i] >= 1
         episode = Episode(rewards[i], bool(correct), turns[i], masks[i].count(0), ends[i],
                           {name: environment.events[name] for name in event_names})
-        samples.append(Sample(ids[i], logprobs[i], cut[i], masks[i], episode, routes[i]))
+        samples.append(Sample(ids[i], logprobs[i], cut[i], masks[i], episode, routes=routes[i],
+                              prompt_ids=own_prompts[i]))
     return samples
 
 

@@ -5,7 +5,7 @@ import math
 
 from common.distributed import all_ranks_ok, fail, reduce_stats
 from common.llm.engines import sample_seed
-from common.llm.episodes import is_multi_turn, run_episodes
+from common.llm.episodes import is_multi_turn, run_episodes, start_seed
 from common.llm.layout import RemoteRollouts
 from common.llm.scoring import decode_completion, task_scores
 from common.llm.state import LLMRun
@@ -45,7 +45,9 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
             return [sample.episode.correct for sample in samples]
         return task_scores(task.correct, examples, texts)
 
-    samples = run_episodes(engine, run, [test_ids[i] for i in indices], examples, [0] * len(indices), max_tokens, 0.0)
+    starts = [start_seed("test", i) for i in indices]  # the held-out start states: the same for every --seed
+    samples = run_episodes(engine, run, [test_ids[i] for i in indices], examples, [0] * len(indices), max_tokens, 0.0,
+                           starts)
     texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
     sums = {"accuracy": float(sum(correct_of(samples, examples, texts)))}
     sums.update(task_metric_sums(task, run.test[0], examples, texts))
@@ -58,7 +60,8 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
         prompts = [test_ids[i] for i in indices for _ in range(k)]
         seeds = [sample_seed(args.seed, -1, i, j) for i in indices for j in range(k)]  # step -1: evaluation
         repeated = [run.test[i] for i in indices for _ in range(k)]
-        sampled = run_episodes(engine, run, prompts, repeated, seeds, max_tokens, args.eval_temperature)
+        sampled = run_episodes(engine, run, prompts, repeated, seeds, max_tokens, args.eval_temperature,
+                               [start for start in starts for _ in range(k)])
         texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in sampled]
         right = correct_of(sampled, repeated, texts)
         correct = [int(sum(right[p * k:(p + 1) * k])) for p in range(len(indices))]

@@ -57,7 +57,7 @@ from common.llm.routing import install_route_replay, replay_problem, replays_rou
 from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, checkpoint_due, evaluation_due
 from common.preemption import catch_stop_signals, preempted, step_boundary, stop_signals_problem
 from common.tracking import RunTracker, get_logger
-from tasks import Example, TaskError, check_task_fits, make_task
+from tasks import EnvOptions, Example, TaskError, check_task_fits, make_task
 from tasks.tools import check_tools, sandbox_descriptions
 
 
@@ -158,6 +158,15 @@ def encode_texts(tokenizer: object, texts: list[str], add_special_tokens: bool) 
     return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
 
+def environment_options(args: LLMArgs, rank: int, world_size: int) -> EnvOptions:
+    """The settings an environment of another trainer's needs (tasks/adapters.py): the --env-* flags, and the run's
+    shape, from which it counts the episodes this rank runs at once (the split layout: the rollout ranks run them)."""
+    generating = args.rollout_ranks or world_size
+    return EnvOptions(args.env_dataset, args.prompts_per_step, args.num_generations, args.num_eval_prompts,
+                      args.eval_samples, generating, rank >= world_size - generating, args.env_time_limit_s,
+                      args.env_action_field, args.env_observation_field)
+
+
 def prepare_run(args: LLMArgs) -> LLMRun:
     """Seeds and deterministic kernels (their environment flags must exist before any engine or CUDA starts), the
     process group, the checkpoint to resume from (checked against `args`), tokenizer, task, encoded prompts and EOS
@@ -176,7 +185,8 @@ def prepare_run(args: LLMArgs) -> LLMRun:
         (None, None)
     problem, family = None, None  # each rank reads the model's files and the task itself: decided together
     try:
-        family = family_of(AutoConfig.from_pretrained(args.model_name_or_path))
+        config = AutoConfig.from_pretrained(args.model_name_or_path)
+        family = family_of(config)
         problem = engine_problem(family, args.rollout_engine, args.dtype, device.type)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         if args.lora_rank and not problem:  # the targets against the model's own layers, from its config alone
@@ -186,7 +196,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     except (OSError, ValueError) as error:
         problem = f"cannot load model {args.model_name_or_path!r}: {error}"
     try:
-        task = make_task(args.task)
+        task = make_task(args.task, environment_options(args, rank, world_size))
         if not task.train or not task.test:
             raise TaskError(f"it has {len(task.train)} training and {len(task.test)} test examples; it needs both")
     except TaskError as error:
@@ -240,9 +250,16 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     saves = dist.get_rank() == 0 and not (layout and layout.is_rollout)  # trainer 0 writes trainer_state.pt
     lora_bases = {role: {"path": path, "sha256": base_fingerprint(path)} for role, path in
                   args.adapted_bases().items()} if saves else None  # what a LoRA checkpoint's adapters belong to
+    context = getattr(config.get_text_config(), "max_position_embeddings", None) or \
+        args.max_prompt_length + args.max_completion_length
+    prompt_limit = min(args.max_prompt_length, context - args.max_completion_length)
+    if task.environment_prompts and prompt_limit < 1:
+        fail(f"the model's context ({context} positions) leaves no room for a prompt after --max-completion-length "
+             f"{args.max_completion_length}")
     run = LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
                  [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in test_ids],
-                 eos_ids, templated, pad_id, resume_dir, resume_state, layout, family, lora_bases=lora_bases)
+                 eos_ids, templated, pad_id, resume_dir, resume_state, layout, family, lora_bases=lora_bases,
+                 prompt_limit=prompt_limit)
     if layout is not None and layout.is_rollout:
         serve_rollouts(run)
         sys.exit(0)
@@ -276,7 +293,8 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
                          {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
                           "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted,
                           "nccl": nccl_record(), "open_files": open_file_limits(),
-                          "sandbox": sandbox_descriptions(run.task), "model_family": run.family.describe(),
+                          "sandbox": sandbox_descriptions(run.task), "environment": run.task.environment_record(),
+                          "model_family": run.family.describe(),
                           **({"lora_targets": lora_targets(args)} if args.lora_rank else {}),
                           "routing_replay": replays_routes(args, run.family)},
                          run.resume_dir, start_step)
@@ -301,6 +319,8 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
              f"{len(run.train_ids)} train / {len(run.test_ids)} test prompts, starting after step {start_step}")
     for tool, description in sandbox_descriptions(run.task).items():
         log.info(f"sandbox of tool {tool!r}: {description}")
+    if record := run.task.environment_record():
+        log.info(f"environment: {record}")
     if start_step:  # the same weight path into the engine as the uninterrupted run took
         sync_weights(engine, trained["policy"][0], args.dtype)
     else:

@@ -21,7 +21,7 @@ from common.distributed import (
     run_before_leaving,
 )
 from common.llm.engines import FakeEngine, make_engine, sample_seed
-from common.llm.episodes import episode_sums, is_multi_turn, run_episodes, score_samples
+from common.llm.episodes import episode_sums, is_multi_turn, run_episodes, score_samples, start_seed
 from common.llm.evaluation import evaluate
 from common.llm.layout import RemoteRollouts, receive_weights, send_evaluation, send_samples
 from common.llm.lora import (
@@ -44,7 +44,8 @@ from tasks.tools import environment_of
 def start_engine(run: LLMRun) -> object:
     """This rank's rollout engine. Colocated on a GPU it sleeps while the trainer works; split, it has its GPU."""
     args = run.args
-    max_model_len = max(map(len, run.train_ids + run.test_ids)) + args.max_completion_length
+    longest = run.prompt_limit if run.task.environment_prompts else max(map(len, run.train_ids + run.test_ids))
+    max_model_len = longest + args.max_completion_length  # an environment writing prompts may go to its limit
     if run.device.type == "cuda":  # loading held one full tensor at a time; vLLM sizes itself from free memory
         torch.cuda.empty_cache()
     if args.rollout_engine == "fake":
@@ -73,11 +74,12 @@ def prompts_for_rank(step: int, seed: int, num_prompts: int, prompts_per_step: i
     return order[first:first + per_rank].tolist(), rank * per_rank
 
 
-def rank_rows(run: LLMRun, step: int, refill_round: int = 0) -> tuple[list[int], list[int]]:
-    """This rank's rows of `step` (G per prompt): each row's index into the training prompts and its sampling seed,
-    the seed from the sample's global coordinates (step, prompt, sample), so no sample depends on which rank draws
-    it. A refill round r > 0 (--dynamic-sampling-rounds) draws as many further prompts from a permutation of its own,
-    a function of (seed, step, r) alone (so a resumed run draws the same), at coordinates r x prompts-per-step on."""
+def rank_rows(run: LLMRun, step: int, refill_round: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """This rank's rows of `step` (G per prompt): each row's index into the training prompts, its sampling seed and
+    its environment's start seed, the sampling seed from the sample's global coordinates (step, prompt, sample), so no
+    sample depends on which rank draws it, the start seed from (step, prompt): a prompt's G samples start alike. A
+    refill round r > 0 (--dynamic-sampling-rounds) draws as many further prompts from a permutation of its own, a
+    function of (seed, step, r) alone (so a resumed run draws the same), at coordinates r x prompts-per-step on."""
     args = run.args
     indices, first = prompts_for_rank(step, args.seed, len(run.train_ids), args.prompts_per_step, run.rank,
                                       run.world_size)
@@ -87,7 +89,8 @@ def rank_rows(run: LLMRun, step: int, refill_round: int = 0) -> tuple[list[int],
         indices = order[first:first + len(indices)].tolist()
     group, offset = range(args.num_generations), refill_round * args.prompts_per_step + first
     seeds = [sample_seed(args.seed, step, offset + p, i) for p in range(len(indices)) for i in group]
-    return [i for i in indices for _ in group], seeds
+    starts = [start_seed(args.seed, step, offset + p) for p in range(len(indices)) for _ in group]
+    return [i for i in indices for _ in group], seeds, starts
 
 
 @dataclass
@@ -114,20 +117,20 @@ def sample_prompts(engine: object, run: LLMRun, step: int) -> SampledRows:
     generate_s then includes the rounds' scoring and those waits."""
     args, started = run.args, time.time()
 
-    def sampled(indices: list[int], seeds: list[int]) -> SampledRows:
+    def sampled(indices: list[int], seeds: list[int], starts: list[int]) -> SampledRows:
         samples = run_episodes(engine, run, [run.train_ids[i] for i in indices], [run.train[i] for i in indices],
-                               seeds, args.max_completion_length, args.temperature)
+                               seeds, args.max_completion_length, args.temperature, starts)
         return SampledRows(indices, samples, None, None, time.time() - started, 0.0, {})
 
-    indices, seeds = rank_rows(run, step)
+    own = rank_rows(run, step)
     if not args.dynamic_sampling_rounds:
-        return sampled(indices, seeds)
-    size, rows_per_rank, kept, dropped, rounds = args.num_generations, len(indices), [], [], 0
+        return sampled(*own)
+    size, rows_per_rank, kept, dropped, rounds = args.num_generations, len(own[0]), [], [], 0
     for refill_round in range(args.dynamic_sampling_rounds + 1):
         wanted = len(kept) * size < rows_per_rank
         if refill_round and all_ranks_ok(not wanted):  # a round for all or none: scoring is a collective
             break
-        rows = score_rows(run, sampled(*(rank_rows(run, step, refill_round) if wanted else ([], []))))
+        rows = score_rows(run, sampled(*(rank_rows(run, step, refill_round) if wanted else ([], [], []))))
         rounds += wanted
         for first in range(0, len(rows.indices), size):
             group = [column[first:first + size] for column in (rows.indices, rows.samples, rows.texts, rows.judged)]
@@ -166,7 +169,8 @@ def generate(engine: object, run: LLMRun, step: int) -> Rollout:
         rows = sample_prompts(engine, run, step)
         indices, samples, seconds, refill = rows.indices, rows.samples, rows.generate_s, rows.refill
         engine.sleep()
-    prompts, examples = [run.train_ids[i] for i in indices], [run.train[i] for i in indices]
+    prompts = [s.prompt_ids if s.prompt_ids is not None else run.train_ids[i] for i, s in zip(indices, samples)]
+    examples = [run.train[i] for i in indices]
     generated = time.time()
     # The step's first collective: every rank's lengths (for token balancing and the timings); this rank waits here
     # for the slowest generator

@@ -61,6 +61,15 @@ class LLMArgs:
     env_workers: int = 0  # multi-turn: environment steps of a turn run on this many threads at once (results placed
     # by episode, so the bits do not change); 0: the CPU cores per rank on this node. In-process tools lose their
     # time limit off the main thread: keep them fast, or use 1
+    env_dataset: str | None = None  # an environment of another trainer's (docs/environments.md): its rows, a hub id
+    # or a local copy (tasks/data.py), each row passed to the environment's reset; none: empty rows, each episode made
+    # by the environment from its start seed
+    env_time_limit_s: float = 60.0  # an environment of another trainer's: each call into it (and an OpenEnv server's
+    # start) waits at most this long; past it the episode ends, or the call's reply says so
+    env_action_field: str | None = None  # OpenEnv: the action's field the model's text goes to (default: the action
+    # schema's only text field)
+    env_observation_field: str | None = None  # OpenEnv: the observation's field that is the reply (default: its only
+    # text field)
     allow_unisolated_tools: bool = False  # run a sandboxed tool (tasks/sandbox.py) even where this platform cannot
     # isolate it (no user namespaces): model-written code can then reach the network and read the run's files
     temperature: float = 1.0  # sampling temperature; logprobs (rollout and trainer) are taken after it
@@ -173,6 +182,8 @@ class LLMRun:
     mismatch_warned: bool = False  # the trainer-vs-engine alarm (lifecycle.mismatch_alarm) has spoken
     mismatch_clean_steps: int = 0  # steps whose logprobs agreed before it did
     lora_bases: dict | None = None  # rank 0: {role: {"path", "sha256"}} of LLMArgs.adapted_bases, the weights' hash
+    prompt_limit: int = 0  # an environment that writes prompts (Task.environment_prompts): the longest such prompt,
+    # --max-prompt-length or what the model's context leaves after --max-completion-length, whichever is shorter
 
 
 @dataclass
@@ -196,6 +207,8 @@ class Sample:
     episode: Episode | None = None  # multi-turn: its score, turns and events
     routes: torch.Tensor | None = None  # --routing-replay: [prompt + completion tokens, MoE layers, experts per token]
     # int16, the experts the engine routed each token to, -1 where it routed none (common/llm/routing.py)
+    prompt_ids: list[int] | None = None  # the episode's own prompt, where its environment's reset wrote part of it
+    # (Task.environment_prompts); None: the example's prompt
 
     def model_mask(self) -> list[int]:
         """1 on every token the model sampled (all of them, single-turn), 0 on the environment's."""
