@@ -29,7 +29,8 @@ import tyro
 
 from common.distributed import Totals, fail, reduce_stats
 from common.llm.batching import micro_batches, mismatch_stats, split, token_logprobs
-from common.llm.lifecycle import check_llm_args, end_step, finish, prepare_run, start_training
+from common.llm.checks import check_llm_args
+from common.llm.lifecycle import end_step, finish, prepare_run, start_training
 from common.llm.lora import adapters_disabled, lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, judge, sync_weights

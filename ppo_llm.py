@@ -41,8 +41,9 @@ from common.llm.batching import (
     split,
     token_logprobs,
 )
+from common.llm.checks import check_llm_args
 from common.llm.engines import sample_seed
-from common.llm.lifecycle import check_llm_args, end_step, finish, prepare_run, start_training
+from common.llm.lifecycle import end_step, finish, prepare_run, start_training
 from common.llm.lora import adapters_disabled, lora_spec, targets_problem
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, judge, sync_weights

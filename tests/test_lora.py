@@ -245,7 +245,7 @@ def test_lora_in_float32_on_a_gpu_engine_is_refused_before_any_model_loads(chang
     """vLLM 0.32 serves adapters on GPUs with Triton kernels that assert float16 or bfloat16
     (vllm/lora/ops/triton_ops/lora_shrink_op.py): the default --dtype float32 is refused there, naming both ways
     out; merged weights, the transformers engine, or the CPU (torch ops) are fine."""
-    from common.llm.lifecycle import check_llm_args
+    from common.llm.checks import check_llm_args
     from common.llm.state import LLMArgs
 
     args = {"lora_rank": 8, "rollout_engine": "vllm", **changes}

@@ -1,11 +1,11 @@
-"""The trainer-vs-engine alarm (common/llm/lifecycle.py mismatch_alarm): silent within what the dtype explains, once
+"""The trainer-vs-engine alarm (common/llm/checks.py mismatch_alarm): silent within what the dtype explains, once
 beyond it, with the causes the family and the run's history point to; stale samples are not judged."""
 
 from pathlib import Path
 from types import SimpleNamespace
 
+from common.llm.checks import MISMATCH_LIMITS, mismatch_alarm
 from common.llm.families import FULL_ATTENTION, SLIDING_ATTENTION, Family
-from common.llm.lifecycle import MISMATCH_LIMITS, mismatch_alarm
 
 DENSE = Family("qwen3", "Qwen3ForCausalLM", (FULL_ATTENTION,) * 2, None, False, 0, 0)
 MOE_WINDOWED = Family("gpt_oss", "GptOssForCausalLM", (SLIDING_ATTENTION, FULL_ATTENTION), 4, True, 4, 2)

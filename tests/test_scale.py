@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT, check, only_run_dir, read_metrics, run_agents, script_env
 
-from common.llm import lifecycle
+from common.llm import checks
 from common.llm.balancing import balance_groups, balanced_partition, contiguous_pieces
 from common.llm.engines import nvlinked, tensor_parallel_problem
 from common.llm.state import LLMArgs
@@ -99,19 +99,19 @@ def test_the_tensor_parallel_check_asks_nvml_about_this_node_s_groups(determinis
     """Rank 9 of 16 on two nodes of 8, --vllm-tp 4 on CUDA: NVML is asked about the groups on rank 9's node, as
     devices 0-3 and 4-7; a deterministic run on GPUs without NVLink between them stops before any collective."""
     asked = []
-    monkeypatch.setattr(lifecycle.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(lifecycle, "local_world_size", lambda: 8)
-    monkeypatch.setattr(lifecycle, "nvlinked", lambda devices: asked.append(devices) or linked)
+    monkeypatch.setattr(checks.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(checks, "local_world_size", lambda: 8)
+    monkeypatch.setattr(checks, "nvlinked", lambda devices: asked.append(devices) or linked)
     monkeypatch.setenv("RANK", "9")
     args = LLMArgs(vllm_tp=4, rollout_engine="vllm", deterministic=deterministic, fsdp_shard_size=8)
     if refused:
         with pytest.raises(SystemExit) as stopped:
-            lifecycle.check_llm_args(args, 16)
+            checks.check_llm_args(args, 16)
         assert stopped.value.code == 2
         message = capsys.readouterr().err
         assert "--vllm-tp 4 with --deterministic on CUDA: these GPUs are not all linked by NVLink" in message
     else:
-        lifecycle.check_llm_args(args, 16)
+        checks.check_llm_args(args, 16)
     groups = [[0, 1, 2, 3], [4, 5, 6, 7]] if linked else [[0, 1, 2, 3]]  # a first group without NVLink decides
     assert asked == (groups if deterministic else [])
 

@@ -67,7 +67,7 @@ def test_stream_weights_costs_one_all_gather_per_bucket(summary):
 
 def test_check_llm_args_wants_a_shard_size_that_divides_the_world(capsys, monkeypatch):
     import common.distributed
-    from common.llm.lifecycle import check_llm_args
+    from common.llm.checks import check_llm_args
     from common.llm.models import fsdp_shard_size
     from common.llm.state import LLMArgs
 

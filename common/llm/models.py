@@ -281,15 +281,9 @@ def stream_weights(model: torch.nn.Module, dtype: torch.dtype, tied_aliases: boo
     after (vLLM rebuilds a layer that gets no weights from its old copy). Buffers (rotary tables) are left out:
     engines compute their own.
 
-    At Qwen2.5-7B in bfloat16 (15.2 GB, 339 tensors) with 256 MiB buckets: 44 all-gathers instead of 339 (15.2 GB /
-    256 MiB = 57 at most; a bucket closes after the tensor that fills it, so they hold 259-315 MiB, and the embedding
-    and the LM head, 1,040 MiB each, are buckets of their own), and with HSDP each within a node, whose replicas
-    already hold identical shards. Over NVLink at about 900 GB/s of algorithm bandwidth that is 15.2 GB / 900 GB/s =
-    17 ms of transfer per sync (about 40 ms at the 400 GB/s NCCL's all-gather tends to reach), plus one copy of each
-    bucket out of the rank-major gather at HBM speed (30 GB moved, under 10 ms at 4 TB/s): an estimate, not measured,
-    small beside the engine's own weight load. A rank holds at once one bucket's local slices (bucket / shard size,
-    cast), the gathered bucket and the full tensors copied out of it (2 x 315 MiB; 2 x 1,040 MiB for the embedding),
-    plus whatever the consumer still keeps of earlier buckets."""
+    A rank holds at once one bucket's local slices, the gathered bucket and the full tensors copied out of it, plus
+    whatever the consumer still keeps of earlier buckets; the arithmetic at 7B is in docs/scaling.md ("The weight
+    sync's buckets")."""
     aliases: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(parameter), []).append(name)

@@ -74,7 +74,7 @@ class LLMArgs:
     # isolate it (no user namespaces): model-written code can then reach the network and read the run's files
     temperature: float = 1.0  # sampling temperature; logprobs (rollout and trainer) are taken after it
     strict_mismatch: bool = False  # stop the run when the trainer's logprobs of the engine's samples leave the
-    # engine's by more than the dtype explains (lifecycle.MISMATCH_LIMITS); without it, a warning, once
+    # engine's by more than the dtype explains (checks.MISMATCH_LIMITS); without it, a warning, once
     dynamic_sampling_rounds: int = 0  # GRPO, DAPO's dynamic sampling: drop the groups whose G scores are all equal
     # (no advantage) and refill the batch with further prompts, in at most this many extra rounds; 0: off
     # --- LoRA (common/llm/lora.py) ---
@@ -179,7 +179,7 @@ class LLMRun:
     resume_state: dict | None  # trainer_state.pt as this rank needs it: step, args, world size, extra, its RNG states
     layout: Layout | None  # the split layout's groups (--rollout-ranks); rank and world_size are then this side's
     family: object  # the policy's model family (common/llm/families.py): its layers' kinds, sinks, experts
-    mismatch_warned: bool = False  # the trainer-vs-engine alarm (lifecycle.mismatch_alarm) has spoken
+    mismatch_warned: bool = False  # the trainer-vs-engine alarm (checks.mismatch_alarm) has spoken
     mismatch_clean_steps: int = 0  # steps whose logprobs agreed before it did
     lora_bases: dict | None = None  # rank 0: {role: {"path", "sha256"}} of LLMArgs.adapted_bases, the weights' hash
     prompt_limit: int = 0  # an environment that writes prompts (Task.environment_prompts): the longest such prompt,
