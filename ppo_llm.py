@@ -31,6 +31,8 @@ from typing import Annotated
 
 import torch
 import tyro
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GenericForTokenClassification
 
 from common.distributed import Totals, fail, reduce_stats
 from common.llm.batching import (
@@ -174,25 +176,47 @@ def check_models(args: Args) -> None:
             fail(problem)
 
 
+class TokenValueModel(GenericForTokenClassification, PreTrainedModel):
+    """A one-label token classifier over any family's base model (`model`, transformers' AutoModel) with a `score`
+    head, the layout of transformers' own XForTokenClassification, for the families that have none (Gemma 3, OLMo 2
+    and 3, Qwen3.5). Which attention it may use is the base model's to say; FSDP wraps the base model's blocks."""
+    _supports_sdpa = _supports_flex_attn = _supports_attention_backend = True
+
+    def __init__(self, config: object) -> None:
+        super().__init__(config)
+        self._no_split_modules = self.model._no_split_modules
+
+
 class ValueModel:
-    """Loads any checkpoint as AutoModelForTokenClassification with one label and no dropout on the head: one value
-    per position. A causal LM gets a fresh `score` head drawn from torch's seeded RNG (the same on every rank)."""
+    """Loads any checkpoint as a token classifier with one label and no dropout on the head: one value per position
+    (AutoModelForTokenClassification, or TokenValueModel for a family transformers gives none). A causal LM gets a
+    fresh `score` head drawn from torch's seeded RNG (the same on every rank)."""
+
+    @staticmethod
+    def model_class(config: object) -> type:
+        from transformers import AutoModelForTokenClassification
+        from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+        return AutoModelForTokenClassification if config.model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES \
+            else TokenValueModel
 
     @staticmethod
     def from_pretrained(path: str, **kwargs: object) -> torch.nn.Module:
-        from transformers import AutoConfig, AutoModelForTokenClassification
+        from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, num_labels=1)
         config.classifier_dropout = 0.0  # else 0.1: noisy values in every forward (from_pretrained drops the kwarg)
-        return AutoModelForTokenClassification.from_pretrained(path, config=config, **kwargs)
+        return ValueModel.model_class(config).from_pretrained(path, config=config, **kwargs)
 
     @staticmethod
     def on_meta(path: str) -> torch.nn.Module:
         """The value model's structure from its config on the meta device (no weights): what its adapters target."""
-        from transformers import AutoConfig, AutoModelForTokenClassification
+        from transformers import AutoConfig
 
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        model_class = ValueModel.model_class(config)
         with torch.device("meta"):
-            return AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(path, num_labels=1))
+            return TokenValueModel(config) if model_class is TokenValueModel else model_class.from_config(config)
 
 
 def predicted_values(value_model: torch.nn.Module, batch: object) -> torch.Tensor:
