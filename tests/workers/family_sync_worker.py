@@ -4,7 +4,7 @@ stage ("start", "unchanged_sync": the same weights synced, "changed_sync": every
 and max |delta logprob| over the sampled tokens for padded rows and (where the family packs) packed rows, and the
 engine's logprobs of its samples.
 
-    python tests/family_sync_worker.py OUT.json MODEL_DIR [float32|bfloat16]
+    python tests/workers/family_sync_worker.py OUT.json MODEL_DIR [float32|bfloat16]
 """
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402

@@ -4,7 +4,7 @@ trainers stream the weights in bfloat16 through send_weights with a small bucket
 (receive_weights) and compares them with its own unsharded copy, and the samples and evaluation cross over. The
 rollout rank writes what it found as JSON.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 3 tests/layout_worker.py SUMMARY.json
+    python -m torch.distributed.run --standalone --nproc_per_node 3 tests/workers/layout_worker.py SUMMARY.json
 """
 
 import json
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402
