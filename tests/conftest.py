@@ -164,6 +164,19 @@ def world_of_one(monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def fake_world(request):
+    """A fake process group (torch's `fake` backend: collectives return at once, moving nothing) of world size
+    request.param[0], as rank request.param[1]."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world_size, rank = request.param
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    yield rank, world_size
+    dist.destroy_process_group()
+
+
 def preempt_at_random(command: list[str], output: Path, marker: str, window_s: float, env: dict[str, str] | None = None,
                       stop_signal: int = 15) -> tuple[int, str, float]:
     """Start `command` (a launcher) with its output in the file `output`, wait until `marker` is printed, send it

@@ -12,11 +12,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from common.llm.balancing import balance_tokens
 from common.llm.batching import make_batch, token_logprobs
 from common.llm.engines import HFEngine
 from common.llm.episodes import probe_environment, reply_encoder, run_episodes, start_episode, turn_seed
-from common.llm.state import Rollout, Sample
 from grpo_llm import aggregate_loss, grpo_token_loss
 from ppo_llm import gae, token_rewards
 from tasks import AdditionTask, Environment, Example, TaskError
@@ -279,17 +277,6 @@ def test_gae_skips_the_environment_tokens_by_hand():
     assert returns[0].tolist() == pytest.approx([a0 + 0.5, a1 + 0.25, 0, 0, a2 + 0.75, 0])
     single = gae(rewards, values, torch.ones_like(mask), gamma, lam)[0]  # the negative control: replies as steps
     assert single[0, 0] != pytest.approx(a0)
-
-
-def test_balancing_carries_the_loss_masks(world_of_one):
-    samples = [Sample([5, 6, 7, 8], [-0.1, -0.2, 0.0, -0.3], False, [1, 1, 0, 1]), Sample([9, 1], [-0.4, -0.5], True)]
-    rollout = Rollout([[3, 4], [3, 4]], [], samples, [s.completion_ids for s in samples], [], torch.zeros(2),
-                      torch.zeros(2), torch.tensor([[[2, 4], [2, 2]]]), 0.0, 0.0, {}, 1, 0, [], {})
-    run = SimpleNamespace(rank=0, device=torch.device("cpu"))
-    moved, values, _ = balance_tokens(rollout, run, torch.tensor([[1.0], [2.0]]), 1, 8, 0)
-    by_ids = {tuple(s.completion_ids): s for s in moved.samples}
-    assert by_ids[(5, 6, 7, 8)].loss_mask == [1, 1, 0, 1] and by_ids[(9, 1)].loss_mask is None
-    assert by_ids[(9, 1)].truncated and by_ids[(5, 6, 7, 8)].logprobs == pytest.approx([-0.1, -0.2, 0.0, -0.3])
 
 
 class Tools(AdditionTask):

@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks, gloo): hand-skewed rollouts (rank 0 long completions, rank 1 short ones, each row with
 MoE routes as --routing-replay gives them), GRPO's loss and gradient over them as the script computes them, without
-and with `balance_tokens`; writes a JSON summary to argv[1] for tests/test_scale.py."""
+and with `balance_tokens`; writes a JSON summary to argv[1] for tests/test_balancing.py."""
 
 import json
 import random
