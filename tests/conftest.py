@@ -57,7 +57,7 @@ def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600,
 def script_env() -> dict[str, str]:
     return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1",  # the hub is off (above)
             "OMP_NUM_THREADS": "1",  # as torchrun sets it; two threads per process crawl on a busy 2-core machine
-            "PYTHONPATH": str(ROOT)}  # for the workers under tests/
+            "PYTHONPATH": str(ROOT)}  # for the workers under tests/workers/
 
 
 def run_agents(script: str, args: list[str], nnodes: int = 2, nproc: int = 1, cwds: list[Path] | None = None,
