@@ -256,10 +256,10 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
     """One sample per prompt: an engine call for a single-turn task, else whole episodes (the module's docstring),
     each environment reset with its start seed (`start_seeds`; None: each episode's sample seed, cut to 32 bits). A
     collective on every rank for a multi-turn task. The task's `environment()` runs once per episode."""
-    task, tokenizer, eos_ids, event_names = run.task, run.tokenizer, run.eos_ids, run.event_names
+    task, tokenizer, eos_ids = run.task, run.tokenizer, run.eos_ids
     if not run.multi_turn:  # decided alike on every rank, even one without prompts
         return engine.generate(prompts, seeds, max_tokens, temperature, eos_ids)
-    environments = [environment_of(task) for _ in examples]
+    environments, event_names = [environment_of(task) for _ in examples], run.event_names
     reply_ids = reply_encoder(tokenizer, run.templated, eos_ids)
     workers = run.args.env_workers or max(1, (os.cpu_count() or 1) // local_world_size())
     count, problem = len(prompts), None
