@@ -64,7 +64,10 @@ def tokenizer() -> object:
 
 
 def make_run(task: object, tokenizer: object, max_turns: int = 4, env_workers: int = 1) -> SimpleNamespace:
+    environment = environment_of(task)  # as prepare_run decides it
     return SimpleNamespace(task=task, tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id], templated=False,
+                           multi_turn=environment is not None,
+                           event_names=environment.event_names if environment is not None else (),
                            args=SimpleNamespace(max_turns=max_turns, env_workers=env_workers))
 
 
@@ -404,7 +407,7 @@ def test_the_docs_multi_turn_task_plays_its_episodes(tmp_path: Path, tokenizer):
 
     task = make_task(f"{docs_block('## Multi-turn: the environment', 'two_tries', tmp_path)}:TwoTries")
     example = task.train[0]
-    assert probe_environment(task, tokenizer, example, max_turns=4) is None
+    assert probe_environment(environment_of(task), tokenizer, example, max_turns=4) is None
 
     def play(texts: list[str], max_turns: int = 4) -> tuple[list[tuple], bool | None, int]:
         environment = environment_of(task)
@@ -472,15 +475,14 @@ def test_the_probe_finds_a_wrong_step_and_an_unencodable_reply_before_any_model(
             return self.environment_class()
 
     task = Probed()
-    problem = probe_environment(task, tokenizer, task.train[0], max_turns=4)
+    problem = probe_environment(environment_of(task), tokenizer, task.train[0], max_turns=4)
     assert "failed at turn 1" in problem and "step's done must be a bool, got 'yes'" in problem
     assert "probe_text = None skips the step" in problem
     task.environment_class = LetterReplyEnvironment
-    assert probe_environment(task, tokenizer, task.train[0], 4) == (
+    assert probe_environment(environment_of(task), tokenizer, task.train[0], 4) == (
         "the reply 'higher' encodes to '' with this tokenizer: its characters are unknown to it")
     LetterReplyEnvironment.probe_text = None  # an environment whose step must not run twice: reset only
     try:
-        assert probe_environment(task, tokenizer, task.train[0], 4) is None
+        assert probe_environment(environment_of(task), tokenizer, task.train[0], 4) is None
     finally:
         del LetterReplyEnvironment.probe_text
-    assert probe_environment(AdditionTask(num_train=8, num_test=4), tokenizer, task.train[0], 4) is None  # 1 turn

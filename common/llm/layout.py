@@ -48,7 +48,8 @@ from torch.distributed.distributed_c10d import _update_default_pg
 
 from common import distributed
 from common.llm.models import SYNC_BUCKET_BYTES
-from common.llm.state import Layout, Sample
+from common.llm.rollouts import SampledRows, rank_rows
+from common.llm.state import Layout, LLMRun, Rollout, Sample
 
 
 def split_world(rollout_ranks: int, max_staleness: int) -> Layout:
@@ -194,15 +195,15 @@ def receive_evaluation(layout: Layout) -> dict[str, float]:
 
 
 class RemoteRollouts:
-    """The trainers' stand-in for an engine in the split layout: it receives each step's batch (its own rows) and
-    the evaluations, and sends the weights. `in_flight`: the batch a checkpoint saved (--max-staleness 1)."""
+    """The trainers' rollouts in the split layout, with the methods and attributes of the colocated layout's
+    `LocalRollouts` (common/llm/rollouts.py): each step's rows (this trainer's) and the evaluations arrive from the
+    rollout ranks, sampled and scored; the weights go to them. `in_flight`: the batch a checkpoint saved (S = 1)."""
 
     model_runner = "remote"
 
-    def __init__(self, layout: Layout, rows_per_step: int, total_steps: int, in_flight: list[dict] | None,
-                 serves_adapters: bool = False) -> None:
-        self.layout, self.rows_per_step, self.total_steps, self.in_flight = layout, rows_per_step, total_steps, \
-            in_flight
+    def __init__(self, run: LLMRun, in_flight: list[dict] | None, serves_adapters: bool = False) -> None:
+        self.run, self.layout, self.in_flight = run, run.layout, in_flight
+        self.rows_per_step = run.args.prompts_per_step * run.args.num_generations
         self.serves_adapters = serves_adapters  # the rollout ranks' engines take LoRA adapters alone
         self.wait_s = 0.0  # this step's seconds waiting for samples
 
@@ -212,16 +213,23 @@ class RemoteRollouts:
         self.wait_s += time.time() - started
         return payloads
 
-    def batch(self, step: int) -> list[dict]:
-        """Step `step`'s payloads, one per rollout rank: received now (S = 0, or the first step of a fresh S = 1
-        run), else the batch that arrived during the previous step or came with the checkpoint."""
+    def rows(self, step: int) -> SampledRows:
+        """Step `step`'s rows, one payload per rollout rank: received now (S = 0, or the first step of a fresh S = 1
+        run), else the batch that arrived during the previous step or came with the checkpoint. A checkpoint older
+        than `correct` has scores alone: a score of 1 is correct."""
         self.wait_s = 0.0
         payloads, self.in_flight = self.in_flight or self._receive(), None
-        return payloads
+        indices = [i for payload in payloads for i in payload["indices"]] if "indices" in payloads[0] else \
+            rank_rows(self.run, step)[0]  # the rows of the step's own prompts, unless dynamic sampling refilled them
+        judged = [pair for payload in payloads for pair in zip(payload["scores"], payload.get(
+            "correct", [score >= 1 for score in payload["scores"]]))]
+        timings = [payload["timings"] for payload in payloads]
+        return SampledRows(indices, [sample for payload in payloads for sample in payload["samples"]], None, judged,
+                           max(t["generate_s"] for t in timings), 0.0, None, payloads[0]["version"], timings)
 
     def receive_next(self, step: int) -> None:
         """After update `step`, before its weights go out: with S = 1, the batch of step + 1 (generated meanwhile)."""
-        if self.layout.max_staleness and step < self.total_steps:
+        if self.layout.max_staleness and step < self.run.args.total_steps:
             self.in_flight = self._receive()
 
     def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -229,8 +237,17 @@ class RemoteRollouts:
 
     update_adapter = update_weights  # the adapters travel as any weights do; the rollout ranks load them as adapters
 
-    def evaluation(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
+        """Rollout rank 0's held-out evaluation of the weights last sent."""
         return receive_evaluation(self.layout)
+
+    def step_metrics(self, rollout: Rollout, step: int) -> dict[str, float]:
+        """The staleness of the step's rows, and the idle times: this trainer's wait for them (also in the step's
+        timings), and the rollout ranks' mean wait for the trainers."""
+        rollout.timings["trainer_wait_s"] = self.wait_s
+        return {"perf/trainer_wait_s": self.wait_s, "perf/rollout_wait_s": sum(
+            t["rollout_wait_s"] for t in rollout.rollout_timings) / len(rollout.rollout_timings),
+            "rollout/weight_version": rollout.version, "rollout/staleness": step - 1 - rollout.version}
 
     def close(self) -> None:
         """The rollout ranks end on their own after the last evaluation."""

@@ -184,6 +184,9 @@ class LLMRun:
     lora_bases: dict | None = None  # rank 0: {role: {"path", "sha256"}} of LLMArgs.adapted_bases, the weights' hash
     prompt_limit: int = 0  # an environment that writes prompts (Task.environment_prompts): the longest such prompt,
     # --max-prompt-length or what the model's context leaves after --max-completion-length, whichever is shorter
+    multi_turn: bool = False  # the task has an environment: decided once (prepare_run), since each environment() the
+    # task builds is one episode's
+    event_names: tuple[str, ...] = ()  # a multi-turn task's environment's counts, by name
 
 
 @dataclass
