@@ -48,14 +48,14 @@ from common.llm.lifecycle import end_step, finish, prepare_run, start_training
 from common.llm.lora import lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, sync_weights
+from common.llm.run import LLMArgs
 from common.llm.scoring import check_teacher
-from common.llm.state import LLMArgs
 
 
 @dataclass
 class Args(LLMArgs):
     """On-policy distillation's own flags. The shared ones (model = the student, task, steps, prompts, G, optimizer,
-    engine, FSDP, evaluation, checkpoints) and their defaults: LLMArgs in common/llm/state.py."""
+    engine, FSDP, evaluation, checkpoints) and their defaults: LLMArgs in common/llm/run.py."""
     exp_name: str = "distill_llm"
     """the name of this experiment (the run directory is runs/{exp_name}__{seed}__{timestamp})"""
     teacher_model: str = "assets/tiny-adder-teacher"

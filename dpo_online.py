@@ -34,14 +34,14 @@ from common.llm.lifecycle import end_step, finish, prepare_run, start_training
 from common.llm.lora import adapters_disabled, lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, judge, sync_weights
+from common.llm.run import LLMArgs
 from common.llm.scoring import RewardModel, check_scalar_head
-from common.llm.state import LLMArgs
 
 
 @dataclass
 class Args(LLMArgs):
     """Online DPO's own flags. The shared ones (model, task, steps, prompts, G, optimizer, engine, FSDP, evaluation,
-    checkpoints) and their defaults: LLMArgs in common/llm/state.py."""
+    checkpoints) and their defaults: LLMArgs in common/llm/run.py."""
     exp_name: str = "dpo_online"
     """the name of this experiment (the run directory is runs/{exp_name}__{seed}__{timestamp})"""
     reward_model: str | None = None

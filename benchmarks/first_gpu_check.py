@@ -259,7 +259,7 @@ def training_setup(device: torch.device) -> SimpleNamespace:
 
     from common.distributed import init_distributed
     from common.llm.lifecycle import eos_token_ids
-    from common.llm.state import EMBEDDED_MODEL
+    from common.llm.run import EMBEDDED_MODEL
     from tasks.addition import AdditionTask
 
     init_distributed()
@@ -313,7 +313,7 @@ def grpo_lora(device: torch.device, quick: bool) -> dict:
     from common.llm.lora import adapters_disabled, is_adapter, lora_spec
     from common.llm.models import load_model, make_optimizer, optimizer_step
     from common.llm.rollouts import sync_weights
-    from common.llm.state import EMBEDDED_MODEL, LLMArgs
+    from common.llm.run import EMBEDDED_MODEL, LLMArgs
 
     setup = training_setup(device)
     args = LLMArgs(dtype="bfloat16", lora_rank=LORA_RANK, learning_rate=3e-3, warmup_steps=0)
@@ -376,7 +376,7 @@ def distill(device: torch.device, quick: bool) -> dict:
     from common.llm.engines import HFEngine
     from common.llm.models import load_model, make_optimizer, optimizer_step
     from common.llm.rollouts import sync_weights
-    from common.llm.state import EMBEDDED_MODEL, LLMArgs
+    from common.llm.run import EMBEDDED_MODEL, LLMArgs
 
     setup = training_setup(device)
     args = LLMArgs(dtype="bfloat16", warmup_steps=0)
@@ -415,7 +415,7 @@ def throughput(device: torch.device, quick: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from common.llm.engines import HFEngine
-    from common.llm.state import EMBEDDED_MODEL
+    from common.llm.run import EMBEDDED_MODEL
 
     engine = HFEngine(EMBEDDED_MODEL, torch.float32, device)
     prompts = [[4, 5, 13, 6, 7, 14]] * (32 if quick else 256)

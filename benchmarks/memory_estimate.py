@@ -84,7 +84,7 @@ sys.path.insert(0, str(ROOT))
 from common.llm.batching import make_batch, token_logprobs  # noqa: E402
 from common.llm.lora import VLLM_MAX_LORA_RANKS, adapters_disabled, apply_lora, lora_spec  # noqa: E402
 from common.llm.models import make_optimizer, shard_model  # noqa: E402
-from common.llm.state import LLMArgs  # noqa: E402
+from common.llm.run import LLMArgs  # noqa: E402
 
 GIB = 2**30
 # Hugging Face configs of Qwen2.5-0.5B(-Instruct) and Qwen2.5-7B(-Instruct), their sizes only.

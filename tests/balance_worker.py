@@ -16,7 +16,7 @@ from common.distributed import all_gather_rows, init_distributed
 from common.llm.balancing import balance_tokens
 from common.llm.batching import micro_batches, split
 from common.llm.models import load_model
-from common.llm.state import LLMRun, Rollout, Sample
+from common.llm.run import LLMRun, Rollout, Sample
 from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
 
 TINY = "assets/tiny-adder"

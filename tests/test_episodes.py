@@ -16,7 +16,7 @@ from common.llm.balancing import balance_tokens
 from common.llm.batching import make_batch, token_logprobs
 from common.llm.engines import HFEngine
 from common.llm.episodes import probe_environment, reply_encoder, run_episodes, start_episode, turn_seed
-from common.llm.state import Rollout, Sample
+from common.llm.run import Rollout, Sample
 from grpo_llm import aggregate_loss, grpo_token_loss
 from ppo_llm import gae, token_rewards
 from tasks import AdditionTask, Environment, Example, TaskError

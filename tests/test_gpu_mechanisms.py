@@ -106,7 +106,7 @@ def sharded_loading_child(directory: str) -> None:
     from common.distributed import init_distributed
     from common.llm.batching import make_batch, token_logprobs
     from common.llm.models import export_pretrained, load_model
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
     from ppo_llm import ValueModel
 
     rank = init_distributed()[0]
@@ -374,7 +374,7 @@ def test_a_frozen_models_forward_order_stays_bounded_over_many_forwards(world_of
     from torch.distributed.fsdp import FSDPModule
 
     from common.llm.models import forward_order_lengths, load_model
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
 
     path, args, device = str(ROOT / "assets" / "tiny-adder"), LLMArgs(), torch.device("cpu")
     frozen, trained = load_model(path, args, device, trainable=False), load_model(path, args, device)

@@ -113,7 +113,7 @@ def test_token_balancing_messages_only_the_pairs_that_move_rows(fake_world, monk
     """World 4, rank 0 holding the long completions: the plan moves rows between some pairs of ranks only, and each
     rank posts exactly those sends and receives (an all-to-all would post one of each to every peer, empty or not)."""
     from common.llm.balancing import balance_tokens, balanced_partition
-    from common.llm.state import Rollout, Sample
+    from common.llm.run import Rollout, Sample
 
     rank, world_size = fake_world
     rows = 4
@@ -229,7 +229,7 @@ def test_a_resume_state_rank_0_cannot_read_stops_every_rank_with_a_message(grpo_
     import shutil
 
     from common.llm.checkpoint import read_training_state
-    from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs
+    from common.llm.run import MAY_CHANGE_ON_RESUME, LLMArgs
 
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(grpo_reference_run / "checkpoints", checkpoints)

@@ -25,8 +25,8 @@ from common.llm.batching import make_batch, mismatch_stats, pad_completions, tok
 from common.llm.lifecycle import encode_texts, eos_token_ids
 from common.llm.models import export_pretrained, load_model, stream_weights
 from common.llm.rollouts import prompts_for_rank
+from common.llm.run import LLMArgs
 from common.llm.scoring import RewardModel, check_scalar_head, decode_completion, task_scores
-from common.llm.state import LLMArgs
 from tasks import Example
 
 TINY = ROOT / "assets" / "tiny-adder"

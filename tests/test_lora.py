@@ -246,7 +246,7 @@ def test_lora_in_float32_on_a_gpu_engine_is_refused_before_any_model_loads(chang
     (vllm/lora/ops/triton_ops/lora_shrink_op.py): the default --dtype float32 is refused there, naming both ways
     out; merged weights, the transformers engine, or the CPU (torch ops) are fine."""
     from common.llm.checks import check_llm_args
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
 
     args = {"lora_rank": 8, "rollout_engine": "vllm", **changes}
     if refused:
@@ -373,7 +373,7 @@ def test_a_resume_on_another_value_model_base_is_refused(tmp_path: Path):
     import ppo_llm
     from common.llm.checkpoint import resume_mismatch
     from common.llm.lora import base_fingerprint
-    from common.llm.state import MAY_CHANGE_ON_RESUME
+    from common.llm.run import MAY_CHANGE_ON_RESUME
 
     value = tmp_path / "value"
     shutil.copytree(TINY, value)

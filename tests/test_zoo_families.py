@@ -25,7 +25,7 @@ from common.llm import attention
 from common.llm.attention import PACKED_ATTENTION, PADDED_ATTENTION, register_packed_attention
 from common.llm.batching import make_batch, token_logprobs
 from common.llm.models import load_model
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 
 CPU = torch.device("cpu")
 # GRPO's layout: runs of rows with one prompt; prompt + completion up to 20 tokens, five windows

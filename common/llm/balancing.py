@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from common.distributed import local_world_size
-from common.llm.state import LLMRun, Rollout, Sample
+from common.llm.run import LLMRun, Rollout, Sample
 
 # Rows move only among the ranks of one node (`balance_groups`): gloo keeps a socket open for every pair that ever
 # exchanged, so balancing over the whole world would, step after step, open N - 1 per rank (past the common 1,024

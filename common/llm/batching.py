@@ -30,7 +30,7 @@ import torch
 
 from common.llm.attention import packed_attention_mask
 from common.llm.routing import packed_routes, padded_routes, replayed_routes
-from common.llm.state import LLMRun, Rollout
+from common.llm.run import LLMRun, Rollout
 
 CHUNK_ROWS = 256  # rows of float32 [rows, V] logits computed at a time
 

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from common.distributed import all_ranks_ok, fail, local_world_size
+from common.llm.run import Episode, LLMRun, Sample
 from common.llm.scoring import decode_completion, task_scores
-from common.llm.state import Episode, LLMRun, Sample
 from common.tracking import get_logger
 from tasks import Environment, Example, Task, TaskError, characters_kept
 from tasks.tools import environment_of

@@ -7,8 +7,8 @@ from common.distributed import all_ranks_ok, fail, reduce_stats
 from common.llm.engines import sample_seed
 from common.llm.episodes import is_multi_turn, run_episodes, start_seed
 from common.llm.layout import RemoteRollouts
+from common.llm.run import LLMRun
 from common.llm.scoring import decode_completion, task_scores
-from common.llm.state import LLMRun
 from tasks import Example
 from tasks.tools import environment_of
 

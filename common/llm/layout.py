@@ -48,7 +48,7 @@ from torch.distributed.distributed_c10d import _update_default_pg
 
 from common import distributed
 from common.llm.models import SYNC_BUCKET_BYTES
-from common.llm.state import Layout, Sample
+from common.llm.run import Layout, Sample
 
 
 def split_world(rollout_ranks: int, max_staleness: int) -> Layout:

@@ -23,7 +23,7 @@ from common.llm.attention import (
 )
 from common.llm.lora import LoRASpec, apply_lora, lora_scales, merged_weights
 from common.llm.routing import recompute_context
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 from common.tracking import get_logger
 
 EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model

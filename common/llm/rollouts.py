@@ -35,8 +35,8 @@ from common.llm.lora import (
 )
 from common.llm.models import stream_weights
 from common.llm.routing import moe_layers, replays_routes
+from common.llm.run import LLMRun, Rollout, Sample, checkpoint_due, evaluation_due
 from common.llm.scoring import RewardModel, decode_completion
-from common.llm.state import LLMRun, Rollout, Sample, checkpoint_due, evaluation_due
 from common.preemption import EXIT_PREEMPTED, step_boundary
 from tasks.tools import environment_of
 

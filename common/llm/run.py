@@ -1,7 +1,7 @@
-"""The LLM scripts' run configuration and state, a leaf every other module of common/llm/ imports: the flags they
-share (`LLMArgs`), what the loop needs besides its models (`LLMRun`, and `Layout` in the split layout), and the records
-the roles pass to each other: `Sample` (one completion or episode, from an engine), `Episode` (a multi-turn episode's
-score and counts) and `Rollout` (one step's samples on this rank, what a loss is built from)."""
+"""A run of an LLM script as the modules of common/llm/ share it, a leaf every other one imports: the flags the
+scripts share (`LLMArgs`), what the loop needs besides its models (`LLMRun`, and `Layout` in the split layout), and
+the records the roles pass to each other: `Sample` (one completion or episode, from an engine), `Episode` (a
+multi-turn episode's score and counts) and `Rollout` (one step's samples on this rank, what a loss is built from)."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
