@@ -284,9 +284,11 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, mean: float, variance: floa
     return (values - mean) * (variance + eps) ** -0.5 * mask
 
 
-def truncated_is_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """TIS (Yao et al. 2025): the tokens came from the engine's pi_rollout, so weight them by min(pi_old / pi_rollout,
-    cap); a constant, no gradient. cap 0 turns it off."""
+def truncated_importance_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float
+                                ) -> torch.Tensor:
+    """TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the tokens were
+    drawn from the engine's pi_rollout, so weight each by min(pi_old / pi_rollout, cap); a constant, no gradient.
+    cap 0 turns it off (weight 1). [B, C], like the logprobs."""
     if cap <= 0:
         return torch.ones_like(old_logprobs)
     return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
@@ -295,8 +297,10 @@ def truncated_is_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tens
 def sequence_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
                   ) -> torch.Tensor:
     """Masked importance sampling at the sequence level (verl's rollout correction, docs/algo/rollout_corr.md, and
-    slime's MIS): completion i is dropped (weight 0) when the geometric mean of its token ratios,
-    rho_i = exp(mean_t log(pi_old / pi_rollout)), leaves [1/cap, cap]; the others keep weight 1. [B, 1]."""
+    slime's MIS): completion i is judged by the geometric mean of its token ratios over its mask,
+    rho_i = exp(mean_t log(pi_old / pi_rollout)), and dropped (weight 0) when rho_i leaves [1/cap, cap]; the others
+    keep weight 1 (as does a completion with no masked-in token). [B, 1]. It does not reweight: a stale sampler's most
+    off-policy completions give no gradient at all, and the batch's normalisers still count them."""
     mean_log_ratio = ((old_logprobs - rollout_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True
                                                                                                   ).clamp(min=1)
     return (mean_log_ratio.abs() <= math.log(cap)).to(old_logprobs.dtype)
@@ -304,8 +308,10 @@ def sequence_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, ma
 
 def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                        tis_cap: float, seq_mask_cap: float) -> torch.Tensor:
-    """Each token's weight for having been sampled by the engine: TIS, times the sequence mask when on. [B, C]."""
-    weight = truncated_is_weight(old_logprobs, rollout_logprobs, tis_cap)
+    """Each token's weight for having been sampled by the engine (a step older in the split layout with
+    --max-staleness 1, where pi_rollout is the policy before the previous update): TIS, times the sequence mask when
+    --seq-mask-cap is on. [B, C], no gradient."""
+    weight = truncated_importance_weight(old_logprobs, rollout_logprobs, tis_cap)
     return weight * sequence_mask(old_logprobs, rollout_logprobs, mask, seq_mask_cap) if seq_mask_cap else weight
 
 
@@ -319,12 +325,12 @@ def clip_active(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float) 
     return (torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages < ratio * advantages).float()
 
 
-def policy_loss(ratio: torch.Tensor, is_weight: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+def policy_loss(ratio: torch.Tensor, correction: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float, num_tokens: float) -> torch.Tensor:
-    """The clipped surrogate of the ratio pi / pi_old, weighted by the rollout correction `is_weight`, summed over
+    """The clipped surrogate of the ratio pi / pi_old, weighted by the rollout correction `correction`, summed over
     this micro-batch's tokens and divided by its minibatch's token count over all ranks (`num_tokens`), so the shares
     add up to the minibatch mean."""
-    per_token = clipped_surrogate(ratio, advantages, clip_eps) * is_weight
+    per_token = clipped_surrogate(ratio, advantages, clip_eps) * correction
     return (per_token * mask).sum() / num_tokens
 
 
@@ -436,10 +442,10 @@ if __name__ == "__main__":
                 old, advantage, old_value, target = (t[index, :width] for t in (old_logprobs, advantages, old_values,
                                                                                 returns))
                 logprobs, values = token_logprobs(policy, batch, args.temperature), predicted_values(value_model, batch)
-                is_weight = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
+                correction = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
                                                args.seq_mask_cap)
                 ratio = torch.exp(logprobs - old)  # pi / pi_old per token
-                pg_loss = policy_loss(ratio, is_weight, advantage, batch.mask, args.clip_eps, minibatch_tokens)
+                pg_loss = policy_loss(ratio, correction, advantage, batch.mask, args.clip_eps, minibatch_tokens)
                 vf_loss = value_loss(values, old_value, target, batch.mask, args.clip_eps_value, minibatch_tokens)
                 all_reduce_at_last(m == len(pieces) - 1, policy, value_model)  # HSDP: across nodes once per update
                 ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
@@ -448,8 +454,8 @@ if __name__ == "__main__":
                         "train/clip_fraction": clip_active(ratio, advantage, args.clip_eps),
                         "train/value_clip_fraction": value_clip_active(values, old_value, target, args.clip_eps_value),
                         "train/approx_kl": 0.5 * (logprobs - old) ** 2,  # N+ details
-                        "mismatch/tis_weight_mean": is_weight,
-                    }.items()}, {"mismatch/tis_weight_max": (is_weight * batch.mask).max()}, divisor=updates_per_step)
+                        "mismatch/tis_weight_mean": correction,
+                    }.items()}, {"mismatch/tis_weight_max": (correction * batch.mask).max()}, divisor=updates_per_step)
                     kept = sequence_mask(old, batch.rollout_logprobs, batch.mask, args.seq_mask_cap) \
                         if args.seq_mask_cap else batch.mask.new_ones(())
                     totals.add({"mismatch/masked_fraction": (1 - kept).sum() / num_sequences},

@@ -342,9 +342,9 @@ def grpo_lora(device: torch.device, quick: bool) -> dict:
             reference = token_logprobs(policy, batch, 1.0)
         logprobs = token_logprobs(policy, batch, 1.0)
         old = logprobs.detach()
-        is_weight = torch.exp(old - batch.rollout_logprobs).clamp(max=2.0)
+        correction = torch.exp(old - batch.rollout_logprobs).clamp(max=2.0)
         log_ratio = reference - logprobs
-        per_token = -torch.exp(logprobs - old) * advantages.to(device) * is_weight + beta * (
+        per_token = -torch.exp(logprobs - old) * advantages.to(device) * correction + beta * (
             torch.exp(log_ratio) - log_ratio - 1)
         loss = (per_token * batch.mask).sum() / num_tokens
         loss.backward()
@@ -395,8 +395,8 @@ def distill(device: torch.device, quick: bool) -> dict:
             teacher_logprobs = token_logprobs(teacher, batch, 1.0)
         logprobs = token_logprobs(student, batch, 1.0)
         rewards = -(logprobs.detach() - teacher_logprobs) * batch.mask
-        is_weight = torch.exp(logprobs.detach() - batch.rollout_logprobs).clamp(max=2.0)
-        loss = -(is_weight * rewards * logprobs * batch.mask).sum() / num_tokens
+        correction = torch.exp(logprobs.detach() - batch.rollout_logprobs).clamp(max=2.0)
+        loss = -(correction * rewards * logprobs * batch.mask).sum() / num_tokens
         loss.backward()
         grad_norm, _ = optimizer_step(student, optimizer, scheduler, args.max_grad_norm, step)
         sync_weights(engine, student, args.dtype)

@@ -17,7 +17,7 @@ from common.llm.balancing import balance_tokens
 from common.llm.batching import micro_batches, split
 from common.llm.models import load_model
 from common.llm.run import LLMRun, Rollout, Sample
-from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
+from grpo_llm import aggregate_loss, grpo_token_loss, truncated_importance_weight
 
 TINY = "assets/tiny-adder"
 GROUPS, G, MICRO_BATCH_SIZE = 4, 2, 4
@@ -50,7 +50,7 @@ def loss_and_gradient(policy: torch.nn.Module, run: LLMRun, rollout: Rollout, ad
     for batch, rows in zip(micro_batches(rollout, pieces, run, share_prompts), pieces):
         logprobs = token_logprobs(policy, batch, 1.0)
         old = batch.rollout_logprobs - 0.1
-        per_token = grpo_token_loss(logprobs - old, truncated_is_weight(old, batch.rollout_logprobs, 2.0),
+        per_token = grpo_token_loss(logprobs - old, truncated_importance_weight(old, batch.rollout_logprobs, 2.0),
                                     logprobs, None, advantages[list(rows), None], 0.2, 0.28, 0.0)
         loss = aggregate_loss(per_token, batch.mask, "dapo", num_sequences, num_tokens, 40)
         (loss * dist.get_world_size()).backward()
