@@ -156,9 +156,9 @@ if __name__ == "__main__":
         # --- update: one optimizer step, gradient accumulation over micro-batches ---
         train_start = time.time()
         student.eval()  # dropout off, as in the engine and the teacher: every forward sees one network
-        pieces = split(range(len(rollout.samples)), args.micro_batch_size)
-        batches = micro_batches(rollout, pieces, run)
-        task_advantage = [task_advantage[list(piece), None].to(device) for piece in pieces]  # no copy in the loop
+        micro_batch_rows = split(range(len(rollout.samples)), args.micro_batch_size)
+        batches = micro_batches(rollout, micro_batch_rows, run)
+        task_advantage = [task_advantage[list(rows), None].to(device) for rows in micro_batch_rows]  # copied once
         with torch.no_grad():  # the teacher's grades, once per batch, at the student's temperature (docstring)
             teacher_logprobs = [token_logprobs(teacher, batch, args.temperature, vocabulary=vocabulary)
                                 for batch in batches]

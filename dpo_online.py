@@ -163,9 +163,9 @@ if __name__ == "__main__":
         policy.eval()  # dropout off, as in the engine and the reference: every forward sees one network
         # every rank runs as many forwards (FSDP collectives): tied pairs go through too, with weight 0. Everything
         # goes to the device first, so no host-to-device copy in the loop waits on a backward.
-        pieces = split(range(len(by_prompt)), max(1, args.micro_batch_size // 2)) if num_preferred else []
+        micro_batch_prompts = split(range(len(by_prompt)), max(1, args.micro_batch_size // 2)) if num_preferred else []
         batches = micro_batches(rollout, [[chosen_rows[p] for p in pairs] + [rejected_rows[p] for p in pairs]
-                                          for pairs in pieces], run)
+                                          for pairs in micro_batch_prompts], run)
         totals = Totals()
         for m, (batch, micro_preferred) in enumerate(zip(batches, preferred.to(device).split(
                 max(1, args.micro_batch_size // 2)))):

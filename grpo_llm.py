@@ -328,15 +328,16 @@ if __name__ == "__main__":
         # --- update: mu passes over k minibatches, one optimizer step each, gradient accumulation over micro-batches
         train_start = time.time()
         policy.eval()  # dropout off, as in the engine and the reference: every forward sees one network
-        pieces = [piece for minibatch in minibatches for piece in split(minibatch, args.micro_batch_size)]
+        micro_batch_rows = [rows for minibatch in minibatches for rows in split(minibatch, args.micro_batch_size)]
         if args.balance_tokens:  # (PLUMBING) equal tokens per rank; the advantages travel with their completions
-            rollout, advantages, pieces = balance_tokens(
+            rollout, advantages, micro_batch_rows = balance_tokens(
                 rollout, run, advantages[:, None], args.num_generations if share_prompts else 1,
                 args.micro_batch_size, args.micro_batch_tokens)
             advantages = advantages[:, 0]
-        schedule = split(range(len(pieces)), len(pieces) // args.num_minibatches)  # each minibatch's micro-batches
-        batches = micro_batches(rollout, pieces, run, share_prompts)
-        advantages = [advantages[list(piece), None].to(device) for piece in pieces]  # no copy in the loop: no host sync
+        # each minibatch's micro-batches, by index
+        minibatch_micro_batches = split(range(len(micro_batch_rows)), len(micro_batch_rows) // args.num_minibatches)
+        batches = micro_batches(rollout, micro_batch_rows, run, share_prompts)
+        advantages = [advantages[list(rows), None].to(device) for rows in micro_batch_rows]  # no host sync in the loop
         with torch.no_grad():  # pi_old (with mu k > 1: before the first of the updates) and pi_ref, once per batch
             old_logprobs = [token_logprobs(policy, b, args.temperature) if updates > 1 else None for b in batches]
             with adapters_disabled(reference):
@@ -344,7 +345,7 @@ if __name__ == "__main__":
         totals, grad_norm = Totals(), 0.0  # the norm logged is the mean over the updates, as PPO's
         minibatch_sequences = num_sequences // args.num_minibatches
         for _ in range(args.num_iterations):  # mu passes over the batch
-            for u, in_minibatch in enumerate(schedule):
+            for u, in_minibatch in enumerate(minibatch_micro_batches):
                 minibatch_tokens = int(counts[f"minibatch_tokens/{u}"])
                 for m in in_minibatch:
                     batch, advantage = batches[m], advantages[m]

@@ -397,9 +397,9 @@ if __name__ == "__main__":
         mask = pad_completions([s.model_mask() for s in rollout.samples], width, device)  # 0: padding, env tokens
         rollout_logprobs = pad_completions([s.logprobs for s in rollout.samples], width, device)
         old_logprobs, entropy, ref_logprobs, old_values = (torch.zeros_like(mask) for _ in range(4))
-        pieces = split(range(num_samples), args.micro_batch_size)
+        micro_batch_rows = split(range(num_samples), args.micro_batch_size)
         with torch.no_grad():
-            for rows, batch in zip(pieces, micro_batches(rollout, pieces, run)):
+            for rows, batch in zip(micro_batch_rows, micro_batches(rollout, micro_batch_rows, run)):
                 at = (slice(rows.start, rows.stop), slice(0, batch.mask.shape[1]))
                 old_logprobs[at], entropy[at] = token_logprobs(policy, batch, args.temperature, with_entropy=True)
                 old_values[at] = predicted_values(value_model, batch)
@@ -436,8 +436,8 @@ if __name__ == "__main__":
         for update, minibatch in enumerate(minibatches):
             minibatch_tokens = counts[f"minibatch_tokens/{update}"]
             indices = on_device[update].split(args.micro_batch_size)
-            pieces = [rows.tolist() for rows in minibatch.split(args.micro_batch_size)]
-            for m, (index, batch) in enumerate(zip(indices, micro_batches(rollout, pieces, run))):
+            micro_batch_rows = [rows.tolist() for rows in minibatch.split(args.micro_batch_size)]
+            for m, (index, batch) in enumerate(zip(indices, micro_batches(rollout, micro_batch_rows, run))):
                 width = batch.mask.shape[1]
                 old, advantage, old_value, target = (t[index, :width] for t in (old_logprobs, advantages, old_values,
                                                                                 returns))
@@ -447,7 +447,7 @@ if __name__ == "__main__":
                 ratio = torch.exp(logprobs - old)  # pi / pi_old per token
                 pg_loss = policy_loss(ratio, correction, advantage, batch.mask, args.clip_eps, minibatch_tokens)
                 vf_loss = value_loss(values, old_value, target, batch.mask, args.clip_eps_value, minibatch_tokens)
-                all_reduce_at_last(m == len(pieces) - 1, policy, value_model)  # HSDP: across nodes once per update
+                all_reduce_at_last(m == len(micro_batch_rows) - 1, policy, value_model)  # HSDP: once per update
                 ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
                 with torch.no_grad():  # --- diagnostics: shares of the minibatch's token means, averaged over updates
                     totals.add({name: (value * batch.mask).sum() / minibatch_tokens for name, value in {

@@ -43,11 +43,11 @@ def skewed_rollout(rank: int, world_size: int) -> tuple[Rollout, torch.Tensor]:
 
 
 def loss_and_gradient(policy: torch.nn.Module, run: LLMRun, rollout: Rollout, advantages: torch.Tensor,
-                      pieces: list, share_prompts: bool, num_tokens: int, num_sequences: int) -> dict:
+                      micro_batch_rows: list, share_prompts: bool, num_tokens: int, num_sequences: int) -> dict:
     from common.llm.batching import token_logprobs
 
     total = torch.zeros(())
-    for batch, rows in zip(micro_batches(rollout, pieces, run, share_prompts), pieces):
+    for batch, rows in zip(micro_batches(rollout, micro_batch_rows, run, share_prompts), micro_batch_rows):
         logprobs = token_logprobs(policy, batch, 1.0)
         old = batch.rollout_logprobs - 0.1
         per_token = grpo_token_loss(logprobs - old, truncated_importance_weight(old, batch.rollout_logprobs, 2.0),
@@ -74,8 +74,8 @@ def main() -> None:
         counts = torch.tensor([sum(map(len, rollout.completions)), len(rollout.samples)])
         dist.all_reduce(counts)
         num_tokens, num_sequences = counts.tolist()
-        pieces = split(range(len(rollout.samples)), MICRO_BATCH_SIZE)
-        results = {"unbalanced": loss_and_gradient(policy, run, rollout, advantages, pieces, share_prompts,
+        micro_batch_rows = split(range(len(rollout.samples)), MICRO_BATCH_SIZE)
+        results = {"unbalanced": loss_and_gradient(policy, run, rollout, advantages, micro_batch_rows, share_prompts,
                                                    num_tokens, num_sequences)}
         for attempt in ("balanced", "balanced_again"):
             moved, moved_advantages, moved_pieces = balance_tokens(rollout, run, advantages[:, None],

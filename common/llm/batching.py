@@ -310,7 +310,7 @@ def mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
 
 
 def split(rows: list[int] | range, size: int) -> list[list[int] | range]:
-    """Consecutive pieces of at most `size` rows (micro-batches; the last may be smaller), like `Tensor.split`."""
+    """Consecutive runs of at most `size` rows (micro-batches; the last may be smaller), like `Tensor.split`."""
     return [rows[start:start + size] for start in range(0, len(rows), size)]
 
 
@@ -325,15 +325,15 @@ def with_routes(batch: TokenBatch, prompts: list[list[int]], routes: list[torch.
     return batch
 
 
-def micro_batches(rollout: Rollout, pieces: list[list[int] | range], run: LLMRun, share_prompts: bool = False
+def micro_batches(rollout: Rollout, micro_batch_rows: list[list[int] | range], run: LLMRun, share_prompts: bool = False
                   ) -> list[TokenBatch]:
     """One TokenBatch per list of rows, on the device, with the engine's logprobs of those rows' tokens. Counts the
     tokens it lays out, real and padded, into the step's timings."""
     batches = [make_batch([rollout.prompts[r] for r in rows], [rollout.samples[r].completion_ids for r in rows],
                           run.pad_id, run.device, share_prompts, [rollout.samples[r].logprobs for r in rows],
                           [rollout.samples[r].loss_mask for r in rows])
-               for rows in pieces]
-    for batch, rows in zip(batches, pieces):  # --routing-replay: the engine's routes, where the samples carry them
+               for rows in micro_batch_rows]
+    for batch, rows in zip(batches, micro_batch_rows):  # --routing-replay: the engine's routes, if any
         with_routes(batch, [rollout.prompts[r] for r in rows], [rollout.samples[r].routes for r in rows])
     counts = rollout.timings
     counts["micro_batches"] = counts.get("micro_batches", 0) + len(batches)

@@ -212,14 +212,14 @@ def _broadcast_object(value: object) -> object:
     return box[0]
 
 
-def learning_rate_factor(update: int, warmup_steps: int, total_updates: int, schedule: str) -> float:
+def learning_rate_factor(update: int, warmup_steps: int, total_updates: int, lr_schedule: str) -> float:
     """Linear warm-up to 1, then constant, linear or cosine decay to 0 at `total_updates`."""
     if update < warmup_steps:
         return (update + 1) / warmup_steps
     progress = (update - warmup_steps) / max(1, total_updates - warmup_steps)
-    if schedule == "linear":
+    if lr_schedule == "linear":
         return max(0.0, 1 - progress)
-    if schedule == "cosine":
+    if lr_schedule == "cosine":
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return 1.0
 
