@@ -39,7 +39,7 @@ about 10 s of each is the process's start: importing torch and transformers, sta
 - doctor (tyro and not --quick): `tools/doctor.py --scripts grpo --no-memory`'s verdicts (it runs the scripts).
 The torch-level parts together: about 3 minutes estimated; --budget-s (default 480) bounds the whole run, each part's
 limit is cut to what is left of it (with --quick the budget alone bounds them: a shared CPU is slow), and a part that
-no longer fits is recorded as skipped.
+does not fit in what is left is recorded as skipped.
 """
 
 import argparse

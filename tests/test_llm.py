@@ -1,4 +1,4 @@
-"""The LLM layer the three LLM scripts share (common/llm/: batching, models, scoring, lifecycle), checked piece by piece
+"""The LLM layer the LLM scripts share (common/llm/: batching, models, scoring, lifecycle), checked piece by piece
 against plain references.
 
 Checks that two computations are the same function (lean vs naive logprobs, packed vs padded rows) run in float64,
@@ -187,7 +187,7 @@ def test_chosen_token_logprob_forward_and_backward_match_autograd(monkeypatch):
 def test_the_head_runs_in_float32_for_a_bfloat16_model(monkeypatch):
     """bf16 hidden states and head weight, logits up to |z| = 28 as in a trained LLM: the chosen-token logprob equals
     the log-softmax of the exact products up to float32 rounding (measured 2e-6), where rounding the logits to bf16
-    first (the head in the model's dtype, as before) erred by 0.016 nats on average and 0.078 at most."""
+    first (the head in the model's dtype) erred by 0.016 nats on average and 0.078 at most."""
     monkeypatch.setattr(batching, "CHUNK_ROWS", 64)
     generator = torch.Generator().manual_seed(0)
     hidden = (torch.randn(256, 64, generator=generator) * 0.6).to(torch.bfloat16)

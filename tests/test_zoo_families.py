@@ -110,7 +110,7 @@ def test_trainer_logprobs_equal_an_eager_forward_in_both_layouts(zoo, world_of_o
     with torch.no_grad():
         flex = token_logprobs(model, make_batch(PROMPTS, COMPLETIONS, 0, CPU, share_prompts=True), 1.0)
     torch.testing.assert_close(flex, expected, atol=1e-5, rtol=0)
-    # the test can tell: packed rows without their windows (one full mask for every layer, as before) are far off
+    # the test can tell: packed rows without their windows (one full mask for every layer) are far off
     if any(window and window < max(len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS))
            for window in windows.values()):
         model.config._attn_implementation = PADDED_ATTENTION

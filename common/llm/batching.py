@@ -187,7 +187,7 @@ def _head_backward_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> t
     tokens, the two GEMMs are 4.5 TFLOP, about 70 ms in float32 and under 10 ms in bf16; NVIDIA's datasheet figures,
     not measured here), and no float32 copy of the head (V x H x 4 B: 0.54 GB at 0.5B, 2.2 GB at 7B). Elsewhere
     (CPUs have no mixed-dtype mm) the same bf16 values are multiplied in float32: the same products, another
-    summation order. A float32 head multiplies in float32, as before."""
+    summation order. A float32 head multiplies in float32."""
     if a.is_cuda and a.dtype == b.dtype != dtype:
         return torch.mm(a, b, out_dtype=dtype)
     return a.to(dtype) @ b.to(dtype)

@@ -1,6 +1,6 @@
 """The turn loop of multi-turn tasks, token in, token out: every rollout (GRPO, PPO, online DPO; colocated or on the
 rollout ranks; training and evaluation) goes through `run_episodes`. A single-turn task (no environment) is one
-engine call, exactly as before.
+engine call.
 
 An episode is one flat list of token ids after the prompt. Each turn, the episodes still running go to the engine
 together, each as `prompt_token_ids` = its prompt + its episode so far, with what is left of its budget

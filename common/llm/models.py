@@ -47,7 +47,7 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     in float32) and receives its slice of each tensor by broadcast, one full tensor on the device at a time (the
     embedding, 2.2 GB, is the largest). Loading every rank's full copy first would have taken 8 x 30 GB of host memory
     per node and a transient 30 GB on every GPU. Buffers (rotary tables) come from rank 0's copy too, so all ranks and
-    today's plain `from_pretrained` agree bit for bit. With `args.gradient_checkpointing` a trained model's blocks
+    a plain `from_pretrained` agree bit for bit. With `args.gradient_checkpointing` a trained model's blocks
     keep only their inputs for backward and recompute the rest. Exports store the checkpoint's own dtype
     (`config.dtype`; `args.dtype` when the checkpoint names none).
 
@@ -156,7 +156,7 @@ def shard_model(model: torch.nn.Module, args: LLMArgs, device: torch.device, tra
     the all-reduce of the reduced gradient shard (1 / shard size of the gradients) crosses nodes. The price: a rank
     holds parameters / shard size, not / world size, however many nodes join. At 7.6B parameters with float32
     masters, gradients and both Adam moments (16 B/param, 122 GB): 15.2 GB per GPU with shard size 8, at any N
-    (flat FSDP at N = 64 would hold 1.9 GB). With shard size = world size the mesh is today's flat one."""
+    (flat FSDP at N = 64 would hold 1.9 GB). With shard size = world size the mesh is flat (plain FSDP)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     compute_dtype = getattr(torch, args.dtype)
