@@ -16,7 +16,7 @@ import torch.distributed as dist
 from conftest import ROOT, check, script_env
 
 from common.llm.balancing import balance_groups, balance_tokens, balanced_partition, contiguous_pieces
-from common.llm.state import Rollout, Sample
+from common.llm.run import Rollout, Sample
 
 
 def test_balanced_partition_by_hand():

@@ -21,7 +21,7 @@ from conftest import ROOT, check, only_run_dir, read_metrics, run_script, script
 from transformers import AutoTokenizer
 
 from common.llm.episodes import probe_environment, run_episodes, start_episode, start_seed
-from common.llm.state import Sample
+from common.llm.run import Sample
 from tasks import EnvOptions, TaskError, make_task
 from tasks.tools import environment_of
 

@@ -184,7 +184,7 @@ def test_a_resume_state_rank_0_cannot_read_stops_every_rank_with_a_message(grpo_
     import shutil
 
     from common.llm.checkpoint import read_training_state
-    from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs
+    from common.llm.run import MAY_CHANGE_ON_RESUME, LLMArgs
 
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(grpo_reference_run / "checkpoints", checkpoints)

@@ -98,7 +98,7 @@ def test_each_room_imports_only_downwards():
             assert not {t for t in targets if t.startswith(("common.llm", "tasks"))}, name  # DQN needs none of it
         if name == "tasks" or name.startswith("tasks."):
             assert not {t for t in targets if t.startswith("common.llm")}, name
-    assert "common.llm.lifecycle" in graph["grpo_llm"] and "common.llm.state" not in graph["dqn_atari"]
+    assert "common.llm.lifecycle" in graph["grpo_llm"] and "common.llm.run" not in graph["dqn_atari"]
 
 
 def test_no_module_over_about_400_lines():

@@ -23,7 +23,7 @@ from common.llm.routing import (
     replayed_weights,
     router_of,
 )
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 
 CPU = torch.device("cpu")
 PROMPTS = [[4, 5, 13, 6, 7, 14], [4, 5, 13, 6, 7, 14], [3, 9, 13, 8, 14], [12, 12, 13, 4, 14]]

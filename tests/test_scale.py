@@ -16,7 +16,7 @@ from conftest import check, only_run_dir, read_metrics, run_agents
 
 from common.llm import checks
 from common.llm.engines import nvlinked, tensor_parallel_problem
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 
 # The fake engine (no vLLM): lognormal lengths, sleep tau0 x the longest; small enough for 4 ranks on 2 cores
 FAKE = ["--rollout-engine", "fake", "--fake-tau0-s", "0.005", "--fake-median-length", "12",

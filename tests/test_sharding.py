@@ -69,7 +69,7 @@ def test_check_llm_args_wants_a_shard_size_that_divides_the_world(capsys, monkey
     import common.distributed
     from common.llm.checks import check_llm_args
     from common.llm.models import fsdp_shard_size
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
 
     monkeypatch.setattr(common.distributed, "LOCAL_WORLD_SIZE_AT_LAUNCH", 2)  # two nodes of two ranks: HSDP
     assert fsdp_shard_size(0, 4) == 2 and fsdp_shard_size(4, 4) == 4

@@ -25,7 +25,7 @@ from common.llm import attention
 from common.llm.attention import PACKED_ATTENTION, PADDED_ATTENTION, register_packed_attention
 from common.llm.batching import make_batch, token_logprobs
 from common.llm.models import load_model
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 
 CPU = torch.device("cpu")
 # GRPO's layout: runs of rows with one prompt; prompt + completion up to 20 tokens, five windows
@@ -110,7 +110,7 @@ def test_trainer_logprobs_equal_an_eager_forward_in_both_layouts(zoo, world_of_o
     with torch.no_grad():
         flex = token_logprobs(model, make_batch(PROMPTS, COMPLETIONS, 0, CPU, share_prompts=True), 1.0)
     torch.testing.assert_close(flex, expected, atol=1e-5, rtol=0)
-    # the test can tell: packed rows without their windows (one full mask for every layer, as before) are far off
+    # the test can tell: packed rows without their windows (one full mask for every layer) are far off
     if any(window and window < max(len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS))
            for window in windows.values()):
         model.config._attn_implementation = PADDED_ATTENTION

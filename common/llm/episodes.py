@@ -1,6 +1,6 @@
 """The turn loop of multi-turn tasks, token in, token out: every rollout (GRPO, PPO, online DPO; colocated or on the
 rollout ranks; training and evaluation) goes through `run_episodes`. A single-turn task (no environment) is one
-engine call, exactly as before.
+engine call.
 
 An episode is one flat list of token ids after the prompt. Each turn, the episodes still running go to the engine
 together, each as `prompt_token_ids` = its prompt + its episode so far, with what is left of its budget
@@ -34,8 +34,8 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from common.distributed import all_ranks_ok, fail, local_world_size
+from common.llm.run import Episode, LLMRun, Sample
 from common.llm.scoring import decode_completion
-from common.llm.state import Episode, LLMRun, Sample
 from common.tracking import get_logger
 from tasks import Environment, Example, TaskError, characters_kept
 from tasks.tools import environment_of
@@ -124,7 +124,7 @@ def probe_environment(environment: Environment, tokenizer: object, example: Exam
     reply = None
     if environment.probe_text is not None:
         try:
-            reply, _, _ = check_step(environment.step(environment.probe_text))
+            reply, _, _ = checked_outcome(environment.step(environment.probe_text))
         except Exception as error:
             return (f"the task's environment failed at turn 1 of prompt {example.prompt!r} with model text "
                     f"{environment.probe_text!r} (a probe before any model loads; Environment.probe_text = None "
@@ -204,11 +204,11 @@ def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Cal
     return reply_ids
 
 
-def steps(workers: int, environments: list[Environment], texts: list[str] | None) -> list[object]:
+def environment_outcomes(workers: int, environments: list[Environment], texts: list[str] | None) -> list[object]:
     """Each environment's `step` of its text (`finish()` where `texts` is None), on up to `workers` threads at once
     (a sandboxed call waits on its processes, a remote one on its server, not on the interpreter), in the episodes'
     order whatever order they finish in. A call that raises gives its exception in its place."""
-    def step(pair: tuple[Environment, str | None]) -> object:
+    def call(pair: tuple[Environment, str | None]) -> object:
         try:
             return pair[0].finish() if texts is None else pair[0].step(pair[1])
         except Exception as error:
@@ -216,12 +216,12 @@ def steps(workers: int, environments: list[Environment], texts: list[str] | None
 
     pairs = list(zip(environments, texts if texts is not None else [None] * len(environments)))
     if workers <= 1 or len(pairs) <= 1:
-        return [step(pair) for pair in pairs]
+        return [call(pair) for pair in pairs]
     with ThreadPoolExecutor(min(workers, len(pairs))) as pool:
-        return list(pool.map(step, pairs))
+        return list(pool.map(call, pairs))
 
 
-def check_step(result: object) -> tuple[str | None, float, bool]:
+def checked_outcome(result: object) -> tuple[str | None, float, bool]:
     """An environment's `step` result as (reply, reward, done), or TypeError saying what is wrong (or what it
     raised)."""
     if isinstance(result, Exception):
@@ -300,11 +300,11 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
             cut[i] = sample.truncated  # the model's turn hit the budget before its EOS
             environments[i].turn = turn
         texts = [decode_completion(tokenizer, sample.completion_ids, eos_ids) for sample in sampled]
-        outcomes = steps(workers, [environments[i] for i in running], texts)
+        outcomes = environment_outcomes(workers, [environments[i] for i in running], texts)
         still = []
         for i, sample, text, outcome in zip(running, sampled, texts, outcomes):
             try:
-                reply, reward, done = check_step(outcome)
+                reply, reward, done = checked_outcome(outcome)
                 reply_tokens = reply_ids(reply) if reply is not None and not done else []
                 if reply is not None and not done:
                     warn_once_if_lost(tokenizer, reply)
@@ -324,7 +324,7 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
                 still.append(i)
         running = [] if problem else still
     if problem is None:  # every episode has ended: each environment's last reward, and what it took released
-        for i, outcome in enumerate(steps(workers, environments, None)):
+        for i, outcome in enumerate(environment_outcomes(workers, environments, None)):
             try:
                 rewards[i] += check_finish(outcome)
             except Exception as error:

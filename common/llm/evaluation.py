@@ -6,8 +6,8 @@ import math
 from common.distributed import all_ranks_ok, fail, reduce_stats
 from common.llm.engines import sample_seed
 from common.llm.episodes import run_episodes, start_seed
+from common.llm.run import LLMRun
 from common.llm.scoring import decode_completion, sample_correct, task_scores
-from common.llm.state import LLMRun
 from tasks import Example
 
 

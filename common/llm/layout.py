@@ -19,23 +19,11 @@ holds it (each trainer's rows, gathered onto rank 0's trainer_state.pt) and a re
 Weights, trainer -> rollout, per sync: every trainer iterates the bucketed gather of the FSDP shards
 (`models.stream_weights`, in the rollout dtype); trainer rank 0 concatenates each bucket of about SYNC_BUCKET_BYTES
 and broadcasts it over `bridge` (a header object, then one tensor); each rollout rank loads it into its engine
-before the next bucket comes, so no rank holds the whole model. Qwen2.5-7B in bfloat16: 15.2 GB in 44 buckets of
-259-1,040 MiB, 88 broadcasts. A broadcast pipelines through a ring or tree, so it costs about bytes / bandwidth
-whatever K: over NVLink inside a node (about 400 GB/s that NCCL's collectives reach on H100) 15.2 GB / 400 GB/s =
-38 ms, over 8 x 400 Gb/s InfiniBand (50 GB/s per GPU, one GPU's rail used by rank 0's sends) 15.2 GB / 50 GB/s =
-0.30 s, plus 44 x 2 broadcast latencies (tens of microseconds each) and the engines' reload (2 x 15.2 GB of HBM
-traffic, about 10 ms at 3.35 TB/s): estimates, not measured. With --max-staleness 1 the broadcast is on the critical
-path once per step (the trainer waits for it; the engines stop only for it). Memory: a rollout rank holds the
-engine's bfloat16 weights (15.2 GB), its KV cache (what --vllm-gpu-memory-utilization leaves; the engine has its GPU
-to itself, so raise it towards 0.9) and, during a sync, the received bucket, the engine's new copy of the module it
-fills and the bucket before it, still referenced through views (at the LM head's bucket 1,040 + 1,040 + 259 =
-2,338 MiB; arithmetic, not measured); no optimizer state, no gradients, no float32 masters. Trainer rank 0 holds,
-besides its shards (Qwen2.5-7B over 8 trainers: float32 masters and Adam moments, 12 B x 7.6B / 8 = 10.6 GiB;
-gradients are freed by then), up to 2,783 MiB at once: while the last bucket (the LM head, 1,040 MiB) is gathered,
-its local slices (130 MiB), the all-gather's output and the full tensors copied out of it (1,040 MiB each), the
-bucket before it (259 MiB), which send_weights keeps until the next tensor arrives, and the concatenation it
-broadcast before that (315 MiB) until that broadcast finishes; 2,468 MiB once it has, as on the other trainers
-(benchmarks/memory_estimate.py, split_sync_held)."""
+before the next bucket comes, so no rank holds the whole model. A broadcast pipelines through a ring or tree, so it
+costs about bytes / bandwidth whatever K; with --max-staleness 1 it is on the critical path once per step (the
+trainer waits for it; the engines stop only for it). A rollout rank holds no optimizer state, gradients or float32
+masters: its engine's weights, its KV cache and, during a sync, a few buckets (the time and the memory at 7B:
+docs/scaling.md, "Memory and bandwidth")."""
 
 import math
 import pickle
@@ -49,7 +37,7 @@ from torch.distributed.distributed_c10d import _update_default_pg
 from common import distributed
 from common.llm.models import SYNC_BUCKET_BYTES
 from common.llm.rollouts import SampledRows, rank_rows
-from common.llm.state import Layout, LLMRun, Rollout, Sample
+from common.llm.run import Layout, LLMRun, Rollout, Sample
 
 
 def split_world(rollout_ranks: int, max_staleness: int) -> Layout:

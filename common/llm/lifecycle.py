@@ -53,7 +53,7 @@ from common.llm.lora import (
 from common.llm.models import final_parameter_hash
 from common.llm.rollouts import LocalRollouts, sample_prompts, score_rows, start_engine, sync_weights
 from common.llm.routing import install_route_replay, replay_problem, replays_routes
-from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, checkpoint_due, evaluation_due
+from common.llm.run import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, checkpoint_due, evaluation_due
 from common.preemption import EXIT_PREEMPTED, catch_stop_signals, preempted, step_boundary
 from common.tracking import RunTracker, get_logger
 from tasks import EnvOptions, Example, TaskError, check_task_fits, make_task

@@ -34,8 +34,8 @@ from common.llm.lora import (
 )
 from common.llm.models import stream_weights
 from common.llm.routing import moe_layers, replays_routes
+from common.llm.run import LLMRun, Rollout, Sample
 from common.llm.scoring import RewardModel, decode_completion, sample_scores
-from common.llm.state import LLMRun, Rollout, Sample
 
 
 def start_engine(run: LLMRun) -> object:

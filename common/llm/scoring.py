@@ -13,7 +13,7 @@ import torch
 from common.distributed import all_ranks_ok, fail
 from common.llm.batching import _pack
 from common.llm.models import load_model
-from common.llm.state import LLMArgs, LLMRun, Sample
+from common.llm.run import LLMArgs, LLMRun, Sample
 from tasks import Example
 
 

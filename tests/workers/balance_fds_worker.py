@@ -15,7 +15,7 @@ import torch
 from common import distributed
 from common.distributed import all_gather_rows, init_distributed
 from common.llm import balancing
-from common.llm.state import Rollout, Sample
+from common.llm.run import Rollout, Sample
 
 STEPS, ROWS = 200, 8
 

@@ -22,7 +22,7 @@ from common.llm.engines import make_engine  # noqa: E402
 from common.llm.families import family_of  # noqa: E402
 from common.llm.models import load_model  # noqa: E402
 from common.llm.rollouts import sync_weights  # noqa: E402
-from common.llm.state import LLMArgs  # noqa: E402
+from common.llm.run import LLMArgs  # noqa: E402
 
 CPU = torch.device("cpu")
 PROMPTS = [[4, 5, 13, 6, 7, 14], [12, 12, 12, 13, 4, 14], [3, 9, 13, 8, 14], [6, 14]]  # 12+34=, 999+1=, 27+6=, 6=

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402
 from common.llm import layout, models  # noqa: E402
-from common.llm.state import Sample  # noqa: E402
+from common.llm.run import Sample  # noqa: E402
 
 TINY = str(ROOT / "assets" / "tiny-adder")
 SMALL_BUCKET_BYTES = 64 * 2**10  # the tiny model is 1.7 MB in bfloat16: many buckets, some of one tensor
