@@ -51,6 +51,17 @@ group 8 (the default HSDP):
     python benchmarks/memory_estimate.py --models qwen2.5-0.5b --scripts grpo --world-sizes 8
     python benchmarks/memory_estimate.py --outside-the-step --models qwen2.5-7b --world-sizes 8   # seconds
     python benchmarks/memory_estimate.py --validate       # the estimate against the same real step on CPU
+    python benchmarks/memory_estimate.py --family-sizes --world-sizes 8 16 64   # the 2026 families' sizes, seconds
+    python benchmarks/memory_estimate.py --models qwen3-30b-a3b --scripts grpo --world-sizes 16   # a family's step
+
+The families of FAMILY_MODELS (Qwen3-MoE, gpt-oss, Qwen3-Next at published sizes): --family-sizes builds each on the
+meta device and counts from the model itself its parameters, the routed experts' and the active ones per token, the
+trainer's state per rank, the engine's weights, the KV cache (full-attention layers per token, sliding layers up to
+their window) and the Gated DeltaNet state per sequence (tests/test_memory_families.py checks these against the tiny
+zoo's real models and the cache tensors of a real forward). Their step runs on fake tensors too: transformers 5's MoE
+experts are one grouped matmul over the tokens sorted by expert (static shapes, no per-expert loop), and the
+linear-attention layers' mask takes a stand-in (traceable_recurrent_mask) for its host read; the Gated DeltaNet
+layers then run transformers' PyTorch reference (the one a GPU without flash-linear-attention runs too).
 
 `--validate` runs the embedded model and SmolLM2-135M-Instruct (assets/build_smollm2.py, built on first use) with
 the CPU's own SDPA, once on fake tensors (the estimate) and once on real ones: the peak of the live tensors the same
@@ -95,6 +106,32 @@ MODELS = {
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+# The 2026 families (issue 45) at published sizes: (model_type, its config.json's sizes as the model's Hugging Face
+# repo (in the comment) publishes them). Every decoder layer of these routes (decoder_sparse_step 1, no
+# mlp_only_layers), so their dense intermediate_size builds nothing. Qwen3.5 is not here: we hold no published
+# config.json of it (transformers' Qwen3_5MoeTextConfig defaults call themselves "Qwen3.5-35B-A3B style").
+FAMILY_MODELS = {
+    # Qwen/Qwen3-30B-A3B
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768, num_hidden_layers=48,
+                                        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                                        num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+                                        tie_word_embeddings=False)),
+    # openai/gpt-oss-20b (its experts published in MXFP4; transformers and the trainer hold them dequantized)
+    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, vocab_size=201088, sliding_window=128, attention_bias=True,
+                                    layer_types=["sliding_attention", "full_attention"] * 12,
+                                    tie_word_embeddings=False)),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct: 3 Gated DeltaNet layers, then one full-attention layer, 12 times
+    "qwen3-next-80b-a3b": ("qwen3_next", dict(hidden_size=2048, moe_intermediate_size=512,
+                                              shared_expert_intermediate_size=512, num_hidden_layers=48,
+                                              num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                              num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
+                                              full_attention_interval=4, linear_conv_kernel_dim=4,
+                                              linear_key_head_dim=128, linear_value_head_dim=128,
+                                              linear_num_key_heads=16, linear_num_value_heads=32, vocab_size=151936,
+                                              tie_word_embeddings=False)),
 }
 # benchmarks/README.md's GPU commands: completions per micro-batch, prompt and completion lengths, which models
 WORKLOADS = {
@@ -159,6 +196,34 @@ def gpu_kernels() -> Iterator[None]:
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
         batching._head_logits, batching._head_backward_mm = head_logits, head_backward_mm
+
+
+@contextlib.contextmanager
+def traceable_recurrent_mask() -> Iterator[None]:
+    """Fake tensors for the linear-attention families (Qwen3-Next, Qwen3.5): transformers' mask of their Gated
+    DeltaNet layers (masking_utils.create_recurrent_attention_mask) asks on the host whether every position of the
+    padding mask is real, to skip the mask then, which fake tensors cannot answer (DataDependentOutputException in
+    aten._local_scalar_dense). The stand-in takes the padded batch's branch, the mask (which RL batches, padded, take;
+    the estimate's equal-length rows would otherwise skip it)."""
+    import importlib
+
+    def padded_rows_mask(config: object, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                         *args: object, **kwargs: object) -> torch.Tensor | None:
+        if attention_mask is None or attention_mask.ndim != 2 or inputs_embeds.shape[1] == 1:
+            return None
+        return attention_mask[:, -inputs_embeds.shape[1]:].contiguous()
+
+    modules = []
+    for name in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        if hasattr(module, "create_recurrent_attention_mask"):
+            modules.append((module, module.create_recurrent_attention_mask))
+            module.create_recurrent_attention_mask = padded_rows_mask
+    try:
+        yield
+    finally:
+        for module, own in modules:
+            module.create_recurrent_attention_mask = own
 
 
 def fake_world(world_size: int) -> None:
@@ -283,6 +348,7 @@ def measure(config: object, script: str, workload: dict, args: LLMArgs, fake: bo
                        rollout_logprobs=[[-1.0] * len(completion)] * rows, loss_masks=[loss_mask] * rows)
     try:
         with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
+              traceable_recurrent_mask() if fake else contextlib.nullcontext(),
               gpu_kernels() if gpu else contextlib.nullcontext()):
             models = {"policy": build(config, args, trainable=True)}
             if workload["reference"] and (not args.lora_rank or script == "distill"):  # a teacher is never the
@@ -327,6 +393,18 @@ def qwen_config(name: str) -> object:
                                 rms_norm_eps=1e-6)
 
 
+def family_config(name: str) -> object:
+    """FAMILY_MODELS[name]'s config (transformers' config class of its model_type, the published sizes)."""
+    from transformers import AutoConfig
+
+    model_type, sizes = FAMILY_MODELS[name]
+    return AutoConfig.for_model(model_type, **sizes)
+
+
+def model_config(name: str) -> object:
+    return family_config(name) if name in FAMILY_MODELS else qwen_config(name)
+
+
 def gib(size: float) -> str:
     return f"{size / GIB:.2f}"
 
@@ -335,7 +413,7 @@ def table(model_names: list[str], scripts: list[str], world_sizes: list[int], ou
           lora_rank: int = 0) -> None:
     rows = []
     for model_name in model_names:
-        config = qwen_config(model_name)
+        config = model_config(model_name)
         for script in scripts:
             for world_size in world_sizes:
                 fake_world(world_size)
@@ -350,7 +428,9 @@ def table(model_names: list[str], scripts: list[str], world_sizes: list[int], ou
                                  "seconds": round(time.time() - started, 1)})
                     print(json.dumps(rows[-1]), flush=True)
     write_table(rows, out, f"_lora{lora_rank}" if lora_rank else "")
-    write_outside_the_step(model_names, world_sizes, out, lora_rank)
+    dense = [name for name in model_names if name in MODELS]  # the sync's arithmetic knows Qwen2's fused modules
+    if dense:
+        write_outside_the_step(dense, world_sizes, out, lora_rank)
 
 
 def write_table(rows: list[dict], out: Path, suffix: str = "") -> None:
@@ -362,12 +442,13 @@ def write_table(rows: list[dict], out: Path, suffix: str = "") -> None:
         earlier = json.loads((out / f"results{suffix}.json").read_text())["rows"]
         rows = [row for row in earlier if tuple(row[k] for k in key) not in {tuple(r[k] for k in key) for r in rows}] \
             + rows
-    order = {name: index for index, name in enumerate([*MODELS, *WORKLOADS])}
+    order = {name: index for index, name in enumerate([*MODELS, *FAMILY_MODELS, *WORKLOADS])}
     rows.sort(key=lambda row: (order[row["model"]], order[row["script"]], row["world_size"],
                                row["gradient_checkpointing"]))
     (out / f"results{suffix}.json").write_text(json.dumps({"command": " ".join(["python benchmarks/memory_estimate.py",
                                                                              *sys.argv[1:]]),
-                                                          "workloads": WORKLOADS, "models": MODELS, "rows": rows},
+                                                          "workloads": WORKLOADS, "models": MODELS,
+                                                          "family_models": FAMILY_MODELS, "rows": rows},
                                                          indent=1) + "\n")
     lines = ["| model | script | N | checkpointing | parameters | gradients | optimizer | activations | temporaries "
              "| other models' shards and optimizer state | peak (GiB) |", "|---" * 11 + "|"]
@@ -618,6 +699,131 @@ def write_outside_the_step(model_names: list[str], world_sizes: list[int], out: 
     print(text)
 
 
+# ---------------------------------------------------------------- the families' sizes (--family-sizes): arithmetic
+def parameter_split(model: torch.nn.Module) -> dict[str, int]:
+    """A model's parameters (built on the meta device: shapes only) by what one token uses: all of them (a tied head
+    once), the routed experts' (the `experts` of each MoE block, common/llm/routing.py's moe_blocks; a shared expert
+    and the router are not among them), and the active ones: the rest plus k / E of the experts' (k experts of E per
+    token, family_of), embeddings included, as Qwen's model cards count them; and the active ones without the input
+    embedding (a token reads one row of it), as gpt-oss's model card counts them (arXiv:2508.10925: 3.61B at 20B)."""
+    from common.llm.families import family_of
+    from common.llm.routing import moe_blocks
+
+    family = family_of(model.config)
+    total = sum(parameter.numel() for parameter in model.parameters())
+    experts = sum(parameter.numel() for _, block in moe_blocks(model) for parameter in block.experts.parameters())
+    active = total - experts + (experts // family.num_experts * family.experts_per_token if experts else 0)
+    tied = model.get_output_embeddings() is not None and \
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    embedding = 0 if tied else model.get_input_embeddings().weight.numel()
+    return {"parameters": total, "expert_parameters": experts, "active_parameters": active,
+            "active_without_input_embedding": active - embedding, "num_experts": family.num_experts,
+            "experts_per_token": family.experts_per_token}
+
+
+def _attention_values_per_token(text_config: object) -> int:
+    """Keys and values one attention layer caches per token: 2 x KV heads x head dim."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return 2 * text_config.num_key_value_heads * head_dim
+
+
+def kv_cache_values(config: object, tokens: int) -> int:
+    """The keys and values one sequence of `tokens` tokens holds in an engine's cache, over the attention layers: a
+    full-attention layer all tokens, a sliding-window layer at most its window (the keys a query reads, itself
+    included: a window of W tokens, vLLM's SlidingWindowSpec before its block rounding), a linear-attention layer
+    none (its state: linear_attention_state_values)."""
+    from common.llm.families import FULL_ATTENTION, SLIDING_ATTENTION, family_of
+
+    family = family_of(config)
+    window = family.sliding_window or tokens
+    held = {FULL_ATTENTION: tokens if SLIDING_ATTENTION in family.layer_types else min(tokens, window),
+            SLIDING_ATTENTION: min(tokens, window)}  # no kinds named (Mistral, Phi-3): a window binds every layer
+    return _attention_values_per_token(config.get_text_config()) * sum(held.get(kind, 0)
+                                                                       for kind in family.layer_types)
+
+
+def linear_attention_state_values(config: object, convolution_inputs: int) -> tuple[int, int]:
+    """One sequence's Gated DeltaNet state over the linear-attention layers (Qwen3-Next, Qwen3.5), in values:
+    (the causal convolution's last `convolution_inputs` inputs, each of conv_dim = 2 x key heads x key head dim +
+    value heads x value head dim; the recurrent state, value heads x key head dim x value head dim). It does not
+    grow with the sequence. vLLM 0.32 keeps kernel - 1 inputs (MambaStateShapeCalculator.gated_delta_net_state_shape)
+    and both parts in the model's dtype unless --mamba-ssm-cache-dtype says otherwise for the recurrent one;
+    transformers' cache keeps kernel inputs in the model's dtype and the recurrent state in float32."""
+    from common.llm.families import LINEAR_ATTENTION, family_of
+
+    text = config.get_text_config()
+    layers = family_of(config).layer_types.count(LINEAR_ATTENTION)
+    conv_dim = 2 * text.linear_num_key_heads * text.linear_key_head_dim + \
+        text.linear_num_value_heads * text.linear_value_head_dim
+    recurrent = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
+    return layers * conv_dim * convolution_inputs, layers * recurrent
+
+
+# a sequence of the GPU commands' GRPO workload (WORKLOADS["grpo"]): 512 prompt + 1,024 completion tokens
+FAMILY_SEQUENCE_TOKENS = 512 + 1024
+
+
+def family_sizes(name: str, world_sizes: list[int]) -> dict:
+    """FAMILY_MODELS[name] built on the meta device: its parameter split, the trainer's state per rank for each shard
+    group size N (float32 masters and Adam's two moments, 12 B per parameter / N, kept between steps; the float32
+    gradients, 4 B / N, during the step), the engine's bf16 weights (--vllm-tp 1; / t at --vllm-tp t), its KV cache
+    per token and per sequence, the Gated DeltaNet state per sequence (bf16, as vLLM caches them), and the routes
+    --routing-replay keeps per token (int16 expert ids, k per MoE layer), in bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from common.llm.families import FULL_ATTENTION, SLIDING_ATTENTION, family_of
+    from common.llm.routing import moe_blocks
+
+    config = family_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    split = parameter_split(model)
+    family = family_of(config)
+    text = config.get_text_config()
+    routes_per_token = len(moe_blocks(model)) * family.experts_per_token * 2  # --routing-replay: int16 expert ids
+    per_layer_token = SYNC_BYTES_PER_VALUE * _attention_values_per_token(text)
+    full_layers = family.layer_types.count(FULL_ATTENTION)
+    sliding_layers = family.layer_types.count(SLIDING_ATTENTION)
+    conv, recurrent = (linear_attention_state_values(config, text.linear_conv_kernel_dim - 1)
+                       if hasattr(text, "linear_conv_kernel_dim") else (0, 0))
+    return {"model": name, "repo_config": FAMILY_MODELS[name][1], "family": family.describe(), **split,
+            "trainer_state": {shard: TRAINER_STATE_BYTES_PER_PARAMETER * split["parameters"] / shard
+                              for shard in world_sizes},
+            "gradients": {shard: 4 * split["parameters"] / shard for shard in world_sizes},
+            "engine_weights": SYNC_BYTES_PER_VALUE * split["parameters"],
+            "kv_bytes_per_token_full_layers": per_layer_token * full_layers,
+            "kv_bytes_sliding_layers_at_most": per_layer_token * sliding_layers * (family.sliding_window or 0),
+            "linear_attention_state_bytes": SYNC_BYTES_PER_VALUE * (conv + recurrent),
+            "route_bytes_per_token": routes_per_token,
+            "sequence_tokens": FAMILY_SEQUENCE_TOKENS,
+            "sequence_bytes": SYNC_BYTES_PER_VALUE * (kv_cache_values(config, FAMILY_SEQUENCE_TOKENS) + conv
+                                                      + recurrent)}
+
+
+def write_family_sizes(names: list[str], world_sizes: list[int], out: Path) -> None:
+    """family_sizes.json and .md in `out`; printed too."""
+    rows = [family_sizes(name, world_sizes) for name in names]
+    billions = lambda count: f"{count / 1e9:,.2f}B"  # noqa: E731
+    lines = ["| model | family | parameters | routed experts' | active per token (without the input embedding) | "
+             + " | ".join(f"N = {shard}: masters + Adam, + gradients (GiB)" for shard in world_sizes)
+             + " | engine's bf16 weights (GiB) |", "|---" * (6 + len(world_sizes)) + "|"]
+    lines += [f"| {r['model']} | {r['family']} | {billions(r['parameters'])} | {billions(r['expert_parameters'])} | "
+              f"{billions(r['active_parameters'])} ({billions(r['active_without_input_embedding'])}) | "
+              + " | ".join(f"{gib(r['trainer_state'][shard])} + {gib(r['gradients'][shard])}" for shard in world_sizes)
+              + f" | {gib(r['engine_weights'])} |" for r in rows]
+    lines += ["", f"| model | KV cache per token, full-attention layers (KiB) | sliding layers, per sequence at most "
+              f"(MiB) | Gated DeltaNet state per sequence (MiB) | one sequence of {FAMILY_SEQUENCE_TOKENS:,} tokens "
+              "(MiB) | routes per token (B) |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['kv_bytes_per_token_full_layers'] / 2**10:,.0f} | "
+              f"{r['kv_bytes_sliding_layers_at_most'] / MIB:,.2f} | {r['linear_attention_state_bytes'] / MIB:,.2f} | "
+              f"{r['sequence_bytes'] / MIB:,.1f} | {r['route_bytes_per_token']:,} |" for r in rows]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "family_sizes.json").write_text(json.dumps(
+        {"command": " ".join(["python benchmarks/memory_estimate.py", *sys.argv[1:]]), "rows": rows}, indent=1) + "\n")
+    (out / "family_sizes.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 # CPU-sized steps for --validate: the real step runs here with the CPU's SDPA, which keeps [B, heads, L, L] scores
 VALIDATION_WORKLOADS = {"grpo": dict(micro_batch=4, prompt=64, completion=192, reference=False, value=False),
                         "dpo": dict(micro_batch=4, prompt=64, completion=192, reference=True, value=False),
@@ -805,7 +1011,7 @@ def validate(names: list[str], scripts: list[str], out: Path, with_vllm: bool = 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, *FAMILY_MODELS])
     parser.add_argument("--scripts", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 1024])
     parser.add_argument("--validate", nargs="*", choices=list(VALIDATION_MODELS),
@@ -822,9 +1028,15 @@ if __name__ == "__main__":
     parser.add_argument("--outside-the-step", action="store_true",
                         help="only the terms outside the step (the weight sync's peak, NCCL's buffers, placeholders "
                              "for what only a GPU shows) for --models at --world-sizes: arithmetic, seconds")
+    parser.add_argument("--family-sizes", nargs="*", choices=list(FAMILY_MODELS),
+                        help="only the families' sizes (parameters, experts' and active ones, the trainer's state "
+                             "per rank at --world-sizes, the engine's weights, KV cache and Gated DeltaNet state) for "
+                             "these models (default: all of FAMILY_MODELS): arithmetic on meta models, seconds")
     options = parser.parse_args()
     torch.manual_seed(0)
-    if options.outside_the_step:
+    if options.family_sizes is not None:
+        write_family_sizes(options.family_sizes or list(FAMILY_MODELS), options.world_sizes, options.out)
+    elif options.outside_the_step:
         write_outside_the_step(options.models, options.world_sizes, options.out, options.lora_rank)
     elif options.validate is not None:
         validate(options.validate or list(VALIDATION_MODELS), options.scripts, options.out, options.validate_vllm,

