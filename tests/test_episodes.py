@@ -357,11 +357,12 @@ def test_model_written_code_runs_in_the_sandbox_and_the_episode_goes_on():
     environment.events = Counter()
     environment.reset(task.train[0])
     limits = (SANDBOX.cpu_seconds, SANDBOX.wall_seconds)
-    SANDBOX.cpu_seconds, SANDBOX.wall_seconds = 1, 3
+    # a wall limit far past the CPU limit: on a loaded machine (the suite's other worker) the loop may get a third of
+    # a core, and the wall limit must not come first
+    SANDBOX.cpu_seconds, SANDBOX.wall_seconds = 1, 60
     try:
-        started = time.time()
         reply, _, done = environment.step(call("python", '{"code": "while True: pass"}'))
-        assert "[timeout: CPU limit of 1 s]" in reply and not done and time.time() - started < 3
+        assert "[timeout: CPU limit of 1 s]" in reply and not done
         reply, _, _ = environment.step(call("python", '{"code": "print(6*7)"}'))
         assert reply.strip() == "42"
     finally:
