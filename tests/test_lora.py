@@ -290,10 +290,11 @@ class SleepModeLLM:
         self.paused = bool(self.sleeping)  # the scheduler resumes once all memory is resident
         return not self.sleeping
 
-    def collective_rpc(self, method: str, kwargs: dict) -> None:
-        assert "weights" not in self.sleeping, "reload into released weights"
-        list(kwargs["weights_iterator"])
-        self.calls.append(method)
+    def collective_rpc(self, method: str | object, kwargs: dict | None = None) -> None:
+        assert "weights" not in self.sleeping, "reload (or repack) into released weights"
+        if method == "reload_weights":
+            list(kwargs["weights_iterator"])
+        self.calls.append(method if isinstance(method, str) else method.__name__)
 
     def add_lora(self, request: object) -> None:
         assert not self.sleeping and not self.paused, "an adapter loaded into an engine not awake"
@@ -309,8 +310,10 @@ class SleepModeLLM:
 def sleeping_engine(serves_adapters: bool) -> object:
     """A colocated CUDA engine's state around a SleepModeLLM (the constructor would start vLLM)."""
     from common.llm.engines import VLLMEngine
+    from common.llm.families import checkpoint_tensors
 
     engine = VLLMEngine.__new__(VLLMEngine)
+    engine.checkpoint_tensors = checkpoint_tensors(str(TINY))
     engine.llm, engine.sleeps, engine.asleep, engine.serves_adapters = SleepModeLLM(), True, [], serves_adapters
     engine.lora, engine.model_path, engine.adapter, engine.adapter_dir = SPEC, str(TINY), None, None
     return engine
@@ -341,8 +344,8 @@ def test_the_engine_serving_adapters_releases_the_kv_cache_alone_and_wakes_what_
     engine = sleeping_engine(serves_adapters=False)
     engine.sleep()
     engine.update_weights(iter([("model.norm.weight", torch.ones(128))]))
-    assert engine.llm.calls == ["sleep(2)", "wake_up(['weights'])", "reload_weights", "wake_up(['kv_cache'])",
-                                "reset_prefix_cache"]
+    assert engine.llm.calls == ["sleep(2)", "wake_up(['weights'])", "reload_weights", "repack_after_reload",
+                                "wake_up(['kv_cache'])", "reset_prefix_cache"]
     assert not engine.asleep and not engine.llm.sleeping and not engine.llm.paused
 
 
