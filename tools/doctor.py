@@ -355,9 +355,11 @@ def model_report(path: str, dtype: str, device_type: str, vllm_installed: bool) 
     its short GRPO check runs with (with transformers sampling where vLLM cannot, as the refusal advises)."""
     from transformers import AutoConfig
 
+    from common.llm.engines import quiet_vllm
     from common.llm.families import engine_problem, family_of
     from common.llm.lora import adapter_serving_problem, family_targets, meta_model
 
+    quiet_vllm()  # engine_problem imports vLLM's module of the family
     family = family_of(AutoConfig.from_pretrained(path))
     lines = [f"family: {family.describe()}"]
     lines.append("GRPO's shared-prompt rows: " + (f"padded rows instead ({family.packing_problem})"

@@ -371,6 +371,19 @@ def nvlinked(devices: list[int]) -> bool:
         pynvml.nvmlShutdown()
 
 
+def quiet_vllm() -> None:
+    """Before vLLM's first import in a process (the engine's, or the family check's import of vLLM's model module):
+    its info lines stay out of our log, its warnings and errors get one handler without VLLM_NOTICES."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    vllm_log = logging.getLogger("vllm")
+    if not vllm_log.handlers:
+        handler = logging.StreamHandler()
+        handler.addFilter(lambda record: not record.getMessage().startswith(VLLM_NOTICES))
+        vllm_log.addHandler(handler)
+        vllm_log.propagate = False
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")  # torch API renames
+
+
 def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: int, device: torch.device,
                 kv_cache_memory_bytes: int, gpu_memory_utilization: float, colocated: bool = True,
                 lora: LoRASpec | None = None, prefix_cache: bool = True,
@@ -378,14 +391,7 @@ def make_engine(kind: str, model_path: str, dtype: str, tp: int, max_model_len: 
     """`auto` picks vLLM when it is installed, else the `transformers` fallback (which takes merged weights: it has
     no adapters)."""
     if engine_kind(kind) == "vllm":
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's info lines stay out of our log
-        vllm_log = logging.getLogger("vllm")  # its warnings and errors: one handler, without the notices below
-        if not vllm_log.handlers:
-            handler = logging.StreamHandler()
-            handler.addFilter(lambda record: not record.getMessage().startswith(VLLM_NOTICES))
-            vllm_log.addHandler(handler)
-            vllm_log.propagate = False
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")  # torch API renames
+        quiet_vllm()
         if device.type == "cpu":  # eager CPU vLLM still compiles a logprob-rank count on first use: 3 s per process
             torch._dynamo.config.disable = True  # for the same integers (process-wide: nothing else here compiles)
         return VLLMEngine(model_path, dtype, tp, max_model_len, device, kv_cache_memory_bytes, gpu_memory_utilization,

@@ -31,7 +31,7 @@ from common.distributed import (
 )
 from common.llm.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
 from common.llm.checks import mismatch_alarm
-from common.llm.engines import engine_kind
+from common.llm.engines import engine_kind, quiet_vllm
 from common.llm.episodes import probe_environment, reply_encoder
 from common.llm.evaluation import evaluate
 from common.llm.families import engine_problem, family_of
@@ -111,6 +111,8 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     try:
         config = AutoConfig.from_pretrained(args.model_name_or_path)
         family = family_of(config)
+        if args.rollout_engine == "vllm":
+            quiet_vllm()  # engine_problem imports vLLM's module of the family
         problem = engine_problem(family, args.rollout_engine, args.dtype, device.type)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         if args.lora_rank and not problem:  # the targets against the model's own layers, from its config alone
