@@ -21,9 +21,10 @@ lint: install
 
 # The whole test suite (CI runs exactly this), on two pytest workers, each taking whole modules (their shared runs
 # are made once): a 2-rank run keeps both cores busy only part of the time (imports, one process runs, waits), so
-# two workers finish the suite in about 0.75 of the time one takes.
+# two workers finish the suite in about 0.75 of the time one takes. Modules go out in collection order, the longest
+# first (tests/conftest.py's LONGEST_MODULES), not xdist's default (the most tests first).
 test: install lint
-	$(PYTHON) -m pytest -v -n 2 --dist loadscope --durations=15 tests
+	$(PYTHON) -m pytest -v -n 2 --dist loadscope --no-loadscope-reorder --durations=15 tests
 
 # The quick loop: the unit tests, without the end-to-end runs (tests/conftest.py marks those `e2e` by what they start).
 test-fast: install lint

@@ -48,14 +48,14 @@ from common.llm.lifecycle import end_step, finish, prepare_run, start_training
 from common.llm.lora import lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, sync_weights
+from common.llm.run import LLMArgs
 from common.llm.scoring import check_teacher
-from common.llm.state import LLMArgs
 
 
 @dataclass
 class Args(LLMArgs):
     """On-policy distillation's own flags. The shared ones (model = the student, task, steps, prompts, G, optimizer,
-    engine, FSDP, evaluation, checkpoints) and their defaults: LLMArgs in common/llm/state.py."""
+    engine, FSDP, evaluation, checkpoints) and their defaults: LLMArgs in common/llm/run.py."""
     exp_name: str = "distill_llm"
     """the name of this experiment (the run directory is runs/{exp_name}__{seed}__{timestamp})"""
     teacher_model: str = "assets/tiny-adder-teacher"
@@ -101,13 +101,23 @@ def task_advantages(scores: torch.Tensor) -> torch.Tensor:
     return scores - scores.mean(dim=1, keepdim=True)
 
 
-def distillation_loss(logprobs: torch.Tensor, advantages: torch.Tensor, is_weight: torch.Tensor, mask: torch.Tensor,
+def truncated_importance_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float
+                                ) -> torch.Tensor:
+    """TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the tokens were
+    drawn from the engine's pi_rollout, so weight each by min(pi_old / pi_rollout, cap); a constant, no gradient.
+    cap 0 turns it off (weight 1). [B, C], like the logprobs."""
+    if cap <= 0:
+        return torch.ones_like(old_logprobs)
+    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
+
+
+def distillation_loss(logprobs: torch.Tensor, advantages: torch.Tensor, correction: torch.Tensor, mask: torch.Tensor,
                       num_tokens: int) -> torch.Tensor:
     """REINFORCE with a per-token advantage A_t, weighted by TIS's w_t, as a micro-batch's share of the mean over the
     batch's `num_tokens` model tokens (all ranks): -sum_t w_t A_t log pi_theta(x_t) / num_tokens. Its gradient is
-    -sum_t w_t A_t grad log pi_theta(x_t) / num_tokens; A and w carry no gradient. logprobs, advantages, is_weight,
+    -sum_t w_t A_t grad log pi_theta(x_t) / num_tokens; A and w carry no gradient. logprobs, advantages, correction,
     mask: [B, C]."""
-    return -(is_weight * advantages * logprobs * mask).sum() / num_tokens
+    return -(correction * advantages * logprobs * mask).sum() / num_tokens
 
 
 if __name__ == "__main__":
@@ -146,9 +156,9 @@ if __name__ == "__main__":
         # --- update: one optimizer step, gradient accumulation over micro-batches ---
         train_start = time.time()
         student.eval()  # dropout off, as in the engine and the teacher: every forward sees one network
-        pieces = split(range(len(rollout.samples)), args.micro_batch_size)
-        batches = micro_batches(rollout, pieces, run)
-        task_advantage = [task_advantage[list(piece), None].to(device) for piece in pieces]  # no copy in the loop
+        micro_batch_rows = split(range(len(rollout.samples)), args.micro_batch_size)
+        batches = micro_batches(rollout, micro_batch_rows, run)
+        task_advantage = [task_advantage[list(rows), None].to(device) for rows in micro_batch_rows]  # copied once
         with torch.no_grad():  # the teacher's grades, once per batch, at the student's temperature (docstring)
             teacher_logprobs = [token_logprobs(teacher, batch, args.temperature, vocabulary=vocabulary)
                                 for batch in batches]
@@ -158,17 +168,16 @@ if __name__ == "__main__":
             old = logprobs.detach()  # one update per batch: the student before it is the one in this forward
             rewards = distillation_rewards(old, teacher_logprobs[m], batch.mask)
             advantages = rewards + task_advantage[m] * batch.mask
-            is_weight = torch.exp(old - batch.rollout_logprobs).clamp(max=args.tis_cap) if args.tis_cap else \
-                torch.ones_like(old)  # TIS: the engine (a step older with --max-staleness 1) drew the tokens
-            loss = distillation_loss(logprobs, advantages, is_weight, batch.mask, num_tokens)
+            correction = truncated_importance_weight(old, batch.rollout_logprobs, args.tis_cap)  # the engine's tokens
+            loss = distillation_loss(logprobs, advantages, correction, batch.mask, num_tokens)
             all_reduce_at_last(m == len(batches) - 1, student)  # HSDP: across nodes once per update
             (loss * world_size).backward()
             with torch.no_grad():  # --- diagnostics: the reverse KL estimate, the teacher's and student's tokens ---
                 totals.add({"train/loss": loss, "train/reverse_kl": -rewards.sum() / num_tokens,
                             "train/teacher_logprob": (teacher_logprobs[m] * batch.mask).sum() / num_tokens,
                             "train/student_logprob": (old * batch.mask).sum() / num_tokens,
-                            "mismatch/tis_weight_mean": (is_weight * batch.mask).sum() / num_tokens},
-                           {"mismatch/tis_weight_max": (is_weight * batch.mask).max()})
+                            "mismatch/tis_weight_mean": (correction * batch.mask).sum() / num_tokens},
+                           {"mismatch/tis_weight_max": (correction * batch.mask).max()})
                 totals.add(*mismatch_stats(old, batch.rollout_logprobs, batch.mask, num_tokens))
         grad_norm, learning_rate = optimizer_step(student, optimizer, scheduler, args.max_grad_norm, step)
         train_s = time.time() - train_start

@@ -34,14 +34,14 @@ from common.llm.lifecycle import end_step, finish, prepare_run, start_training
 from common.llm.lora import adapters_disabled, lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, judge, sync_weights
+from common.llm.run import LLMArgs
 from common.llm.scoring import RewardModel, check_scalar_head
-from common.llm.state import LLMArgs
 
 
 @dataclass
 class Args(LLMArgs):
     """Online DPO's own flags. The shared ones (model, task, steps, prompts, G, optimizer, engine, FSDP, evaluation,
-    checkpoints) and their defaults: LLMArgs in common/llm/state.py."""
+    checkpoints) and their defaults: LLMArgs in common/llm/run.py."""
     exp_name: str = "dpo_online"
     """the name of this experiment (the run directory is runs/{exp_name}__{seed}__{timestamp})"""
     reward_model: str | None = None
@@ -163,9 +163,9 @@ if __name__ == "__main__":
         policy.eval()  # dropout off, as in the engine and the reference: every forward sees one network
         # every rank runs as many forwards (FSDP collectives): tied pairs go through too, with weight 0. Everything
         # goes to the device first, so no host-to-device copy in the loop waits on a backward.
-        pieces = split(range(len(by_prompt)), max(1, args.micro_batch_size // 2)) if num_preferred else []
+        micro_batch_prompts = split(range(len(by_prompt)), max(1, args.micro_batch_size // 2)) if num_preferred else []
         batches = micro_batches(rollout, [[chosen_rows[p] for p in pairs] + [rejected_rows[p] for p in pairs]
-                                          for pairs in pieces], run)
+                                          for pairs in micro_batch_prompts], run)
         totals = Totals()
         for m, (batch, micro_preferred) in enumerate(zip(batches, preferred.to(device).split(
                 max(1, args.micro_batch_size // 2)))):

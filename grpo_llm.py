@@ -42,14 +42,14 @@ from common.llm.lifecycle import end_step, finish, prepare_run, start_training
 from common.llm.lora import adapters_disabled, lora_spec
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, sync_weights
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 from common.tracking import get_logger
 
 
 @dataclass
 class Args(LLMArgs):
     """GRPO's own flags. The shared ones (model, task, steps, prompts, G, optimizer, engine, FSDP, evaluation,
-    checkpoints) and their defaults: LLMArgs in common/llm/state.py."""
+    checkpoints) and their defaults: LLMArgs in common/llm/run.py."""
     exp_name: str = "grpo_llm"
     """the name of this experiment (the run directory is runs/{exp_name}__{seed}__{timestamp})"""
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
@@ -211,9 +211,11 @@ def weight_clipped(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_l
     return ((ratio < 1 - clip_eps_low) | (ratio > 1 + clip_eps_high)).float()
 
 
-def truncated_is_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+def truncated_importance_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float
+                                ) -> torch.Tensor:
     """TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the tokens were
-    drawn from the engine's pi_rollout, so weight them by min(pi_old / pi_rollout, cap); a constant, no gradient."""
+    drawn from the engine's pi_rollout, so weight each by min(pi_old / pi_rollout, cap); a constant, no gradient.
+    cap 0 turns it off (weight 1). [B, C], like the logprobs."""
     if cap <= 0:
         return torch.ones_like(old_logprobs)
     return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
@@ -222,10 +224,10 @@ def truncated_is_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tens
 def sequence_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
                   ) -> torch.Tensor:
     """Masked importance sampling at the sequence level (verl's rollout correction, docs/algo/rollout_corr.md, and
-    slime's MIS): completion i is judged by the geometric mean of its token ratios,
+    slime's MIS): completion i is judged by the geometric mean of its token ratios over its mask,
     rho_i = exp(mean_t log(pi_old / pi_rollout)), and dropped (weight 0) when rho_i leaves [1/cap, cap]; the others
-    keep weight 1. [B, 1]. It does not reweight: a stale sampler's most off-policy completions give no gradient at
-    all, and the batch's normalisers still count them."""
+    keep weight 1 (as does a completion with no masked-in token). [B, 1]. It does not reweight: a stale sampler's most
+    off-policy completions give no gradient at all, and the batch's normalisers still count them."""
     mean_log_ratio = ((old_logprobs - rollout_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True
                                                                                                   ).clamp(min=1)
     return (mean_log_ratio.abs() <= math.log(cap)).to(old_logprobs.dtype)
@@ -236,17 +238,17 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     """Each token's weight for having been sampled by the engine (a step older in the split layout with
     --max-staleness 1, where pi_rollout is the policy before the previous update): TIS, times the sequence mask when
     --seq-mask-cap is on. [B, C], no gradient."""
-    weight = truncated_is_weight(old_logprobs, rollout_logprobs, tis_cap)
+    weight = truncated_importance_weight(old_logprobs, rollout_logprobs, tis_cap)
     return weight * sequence_mask(old_logprobs, rollout_logprobs, mask, seq_mask_cap) if seq_mask_cap else weight
 
 
-def grpo_token_loss(log_ratio: torch.Tensor, is_weight: torch.Tensor, logprobs: torch.Tensor,
+def grpo_token_loss(log_ratio: torch.Tensor, correction: torch.Tensor, logprobs: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, clip_eps_low: float,
                     clip_eps_high: float, beta: float, surrogate: Callable = clipped_surrogate) -> torch.Tensor:
     """The summand of DeepSeekMath eq. 3 as a loss, per token [B, C]: the surrogate (clipped, or CISPO's) of the
-    importance ratio, weighted by the rollout correction `is_weight`, plus beta times the k3 KL to the reference
+    importance ratio, weighted by the rollout correction `correction`, plus beta times the k3 KL to the reference
     (eq. 4) when there is one. advantages: [B, 1]."""
-    per_token = surrogate(log_ratio, advantages, clip_eps_low, clip_eps_high) * is_weight
+    per_token = surrogate(log_ratio, advantages, clip_eps_low, clip_eps_high) * correction
     if ref_logprobs is not None:
         per_token = per_token + beta * k3_kl(logprobs, ref_logprobs)
     return per_token
@@ -326,15 +328,16 @@ if __name__ == "__main__":
         # --- update: mu passes over k minibatches, one optimizer step each, gradient accumulation over micro-batches
         train_start = time.time()
         policy.eval()  # dropout off, as in the engine and the reference: every forward sees one network
-        pieces = [piece for minibatch in minibatches for piece in split(minibatch, args.micro_batch_size)]
+        micro_batch_rows = [rows for minibatch in minibatches for rows in split(minibatch, args.micro_batch_size)]
         if args.balance_tokens:  # (PLUMBING) equal tokens per rank; the advantages travel with their completions
-            rollout, advantages, pieces = balance_tokens(
+            rollout, advantages, micro_batch_rows = balance_tokens(
                 rollout, run, advantages[:, None], args.num_generations if share_prompts else 1,
                 args.micro_batch_size, args.micro_batch_tokens)
             advantages = advantages[:, 0]
-        schedule = split(range(len(pieces)), len(pieces) // args.num_minibatches)  # each minibatch's micro-batches
-        batches = micro_batches(rollout, pieces, run, share_prompts)
-        advantages = [advantages[list(piece), None].to(device) for piece in pieces]  # no copy in the loop: no host sync
+        # each minibatch's micro-batches, by index
+        minibatch_micro_batches = split(range(len(micro_batch_rows)), len(micro_batch_rows) // args.num_minibatches)
+        batches = micro_batches(rollout, micro_batch_rows, run, share_prompts)
+        advantages = [advantages[list(rows), None].to(device) for rows in micro_batch_rows]  # no host sync in the loop
         with torch.no_grad():  # pi_old (with mu k > 1: before the first of the updates) and pi_ref, once per batch
             old_logprobs = [token_logprobs(policy, b, args.temperature) if updates > 1 else None for b in batches]
             with adapters_disabled(reference):
@@ -342,7 +345,7 @@ if __name__ == "__main__":
         totals, grad_norm = Totals(), 0.0  # the norm logged is the mean over the updates, as PPO's
         minibatch_sequences = num_sequences // args.num_minibatches
         for _ in range(args.num_iterations):  # mu passes over the batch
-            for u, in_minibatch in enumerate(schedule):
+            for u, in_minibatch in enumerate(minibatch_micro_batches):
                 minibatch_tokens = int(counts[f"minibatch_tokens/{u}"])
                 for m in in_minibatch:
                     batch, advantage = batches[m], advantages[m]
@@ -351,9 +354,9 @@ if __name__ == "__main__":
                         old_logprobs[m] = logprobs.detach()
                     old, ref = old_logprobs[m], ref_logprobs[m]
                     log_ratio = importance_log_ratio(logprobs, old, batch.mask)
-                    is_weight = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
+                    correction = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
                                                    args.seq_mask_cap)
-                    per_token = grpo_token_loss(log_ratio, is_weight, logprobs, ref, advantage, args.clip_eps_low,
+                    per_token = grpo_token_loss(log_ratio, correction, logprobs, ref, advantage, args.clip_eps_low,
                                                 args.clip_eps_high, args.beta, surrogate)
                     loss = aggregate_loss(per_token, batch.mask, args.loss_type, minibatch_sequences,
                                           minibatch_tokens, args.max_completion_length)
@@ -365,11 +368,11 @@ if __name__ == "__main__":
                             if args.seq_mask_cap else batch.mask.new_ones(())
                         totals.add({"train/loss": loss,
                                     "train/clip_fraction": (clipped * batch.mask).sum() / minibatch_tokens,
-                                    "mismatch/tis_weight_mean": (is_weight * batch.mask).sum() / minibatch_tokens,
+                                    "mismatch/tis_weight_mean": (correction * batch.mask).sum() / minibatch_tokens,
                                     "mismatch/masked_fraction": (1 - kept).sum() / minibatch_sequences,
                                     **({"train/kl": (k3_kl(logprobs, ref) * batch.mask).sum() / minibatch_tokens}
                                        if ref is not None else {})},
-                                   {"mismatch/tis_weight_max": (is_weight * batch.mask).max()}, divisor=updates)
+                                   {"mismatch/tis_weight_max": (correction * batch.mask).max()}, divisor=updates)
                 norm, learning_rate = optimizer_step(policy, optimizer, scheduler, args.max_grad_norm, step)
                 grad_norm += norm / updates
         for batch, old in zip(batches, old_logprobs):  # the engine's logprobs against the trainer's, before the update

@@ -49,14 +49,14 @@ from common.llm.lifecycle import end_step, finish, prepare_run, start_training
 from common.llm.lora import adapters_disabled, lora_spec, targets_problem
 from common.llm.models import all_reduce_at_last, load_model, make_optimizer, optimizer_step
 from common.llm.rollouts import generate, judge, sync_weights
+from common.llm.run import LLMArgs
 from common.llm.scoring import RewardModel, check_scalar_head
-from common.llm.state import LLMArgs
 
 
 @dataclass
 class Args(LLMArgs):
     """PPO's own flags. The shared ones (model, task, steps, prompts, G, optimizer, engine, FSDP, evaluation,
-    checkpoints) and their defaults: LLMArgs in common/llm/state.py."""
+    checkpoints) and their defaults: LLMArgs in common/llm/run.py."""
     exp_name: str = "ppo_llm"
     """the name of this experiment (the run directory is runs/{exp_name}__{seed}__{timestamp})"""
     total_steps: int = 300
@@ -284,9 +284,11 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, mean: float, variance: floa
     return (values - mean) * (variance + eps) ** -0.5 * mask
 
 
-def truncated_is_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """TIS (Yao et al. 2025): the tokens came from the engine's pi_rollout, so weight them by min(pi_old / pi_rollout,
-    cap); a constant, no gradient. cap 0 turns it off."""
+def truncated_importance_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float
+                                ) -> torch.Tensor:
+    """TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the tokens were
+    drawn from the engine's pi_rollout, so weight each by min(pi_old / pi_rollout, cap); a constant, no gradient.
+    cap 0 turns it off (weight 1). [B, C], like the logprobs."""
     if cap <= 0:
         return torch.ones_like(old_logprobs)
     return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
@@ -295,8 +297,10 @@ def truncated_is_weight(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tens
 def sequence_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
                   ) -> torch.Tensor:
     """Masked importance sampling at the sequence level (verl's rollout correction, docs/algo/rollout_corr.md, and
-    slime's MIS): completion i is dropped (weight 0) when the geometric mean of its token ratios,
-    rho_i = exp(mean_t log(pi_old / pi_rollout)), leaves [1/cap, cap]; the others keep weight 1. [B, 1]."""
+    slime's MIS): completion i is judged by the geometric mean of its token ratios over its mask,
+    rho_i = exp(mean_t log(pi_old / pi_rollout)), and dropped (weight 0) when rho_i leaves [1/cap, cap]; the others
+    keep weight 1 (as does a completion with no masked-in token). [B, 1]. It does not reweight: a stale sampler's most
+    off-policy completions give no gradient at all, and the batch's normalisers still count them."""
     mean_log_ratio = ((old_logprobs - rollout_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True
                                                                                                   ).clamp(min=1)
     return (mean_log_ratio.abs() <= math.log(cap)).to(old_logprobs.dtype)
@@ -304,8 +308,10 @@ def sequence_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, ma
 
 def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                        tis_cap: float, seq_mask_cap: float) -> torch.Tensor:
-    """Each token's weight for having been sampled by the engine: TIS, times the sequence mask when on. [B, C]."""
-    weight = truncated_is_weight(old_logprobs, rollout_logprobs, tis_cap)
+    """Each token's weight for having been sampled by the engine (a step older in the split layout with
+    --max-staleness 1, where pi_rollout is the policy before the previous update): TIS, times the sequence mask when
+    --seq-mask-cap is on. [B, C], no gradient."""
+    weight = truncated_importance_weight(old_logprobs, rollout_logprobs, tis_cap)
     return weight * sequence_mask(old_logprobs, rollout_logprobs, mask, seq_mask_cap) if seq_mask_cap else weight
 
 
@@ -319,12 +325,12 @@ def clip_active(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float) 
     return (torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages < ratio * advantages).float()
 
 
-def policy_loss(ratio: torch.Tensor, is_weight: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+def policy_loss(ratio: torch.Tensor, correction: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float, num_tokens: float) -> torch.Tensor:
-    """The clipped surrogate of the ratio pi / pi_old, weighted by the rollout correction `is_weight`, summed over
+    """The clipped surrogate of the ratio pi / pi_old, weighted by the rollout correction `correction`, summed over
     this micro-batch's tokens and divided by its minibatch's token count over all ranks (`num_tokens`), so the shares
     add up to the minibatch mean."""
-    per_token = clipped_surrogate(ratio, advantages, clip_eps) * is_weight
+    per_token = clipped_surrogate(ratio, advantages, clip_eps) * correction
     return (per_token * mask).sum() / num_tokens
 
 
@@ -391,9 +397,9 @@ if __name__ == "__main__":
         mask = pad_completions([s.model_mask() for s in rollout.samples], width, device)  # 0: padding, env tokens
         rollout_logprobs = pad_completions([s.logprobs for s in rollout.samples], width, device)
         old_logprobs, entropy, ref_logprobs, old_values = (torch.zeros_like(mask) for _ in range(4))
-        pieces = split(range(num_samples), args.micro_batch_size)
+        micro_batch_rows = split(range(num_samples), args.micro_batch_size)
         with torch.no_grad():
-            for rows, batch in zip(pieces, micro_batches(rollout, pieces, run)):
+            for rows, batch in zip(micro_batch_rows, micro_batches(rollout, micro_batch_rows, run)):
                 at = (slice(rows.start, rows.stop), slice(0, batch.mask.shape[1]))
                 old_logprobs[at], entropy[at] = token_logprobs(policy, batch, args.temperature, with_entropy=True)
                 old_values[at] = predicted_values(value_model, batch)
@@ -430,26 +436,26 @@ if __name__ == "__main__":
         for update, minibatch in enumerate(minibatches):
             minibatch_tokens = counts[f"minibatch_tokens/{update}"]
             indices = on_device[update].split(args.micro_batch_size)
-            pieces = [rows.tolist() for rows in minibatch.split(args.micro_batch_size)]
-            for m, (index, batch) in enumerate(zip(indices, micro_batches(rollout, pieces, run))):
+            micro_batch_rows = [rows.tolist() for rows in minibatch.split(args.micro_batch_size)]
+            for m, (index, batch) in enumerate(zip(indices, micro_batches(rollout, micro_batch_rows, run))):
                 width = batch.mask.shape[1]
                 old, advantage, old_value, target = (t[index, :width] for t in (old_logprobs, advantages, old_values,
                                                                                 returns))
                 logprobs, values = token_logprobs(policy, batch, args.temperature), predicted_values(value_model, batch)
-                is_weight = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
+                correction = rollout_correction(old, batch.rollout_logprobs, batch.mask, args.tis_cap,
                                                args.seq_mask_cap)
                 ratio = torch.exp(logprobs - old)  # pi / pi_old per token
-                pg_loss = policy_loss(ratio, is_weight, advantage, batch.mask, args.clip_eps, minibatch_tokens)
+                pg_loss = policy_loss(ratio, correction, advantage, batch.mask, args.clip_eps, minibatch_tokens)
                 vf_loss = value_loss(values, old_value, target, batch.mask, args.clip_eps_value, minibatch_tokens)
-                all_reduce_at_last(m == len(pieces) - 1, policy, value_model)  # HSDP: across nodes once per update
+                all_reduce_at_last(m == len(micro_batch_rows) - 1, policy, value_model)  # HSDP: once per update
                 ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
                 with torch.no_grad():  # --- diagnostics: shares of the minibatch's token means, averaged over updates
                     totals.add({name: (value * batch.mask).sum() / minibatch_tokens for name, value in {
                         "train/clip_fraction": clip_active(ratio, advantage, args.clip_eps),
                         "train/value_clip_fraction": value_clip_active(values, old_value, target, args.clip_eps_value),
                         "train/approx_kl": 0.5 * (logprobs - old) ** 2,  # N+ details
-                        "mismatch/tis_weight_mean": is_weight,
-                    }.items()}, {"mismatch/tis_weight_max": (is_weight * batch.mask).max()}, divisor=updates_per_step)
+                        "mismatch/tis_weight_mean": correction,
+                    }.items()}, {"mismatch/tis_weight_max": (correction * batch.mask).max()}, divisor=updates_per_step)
                     kept = sequence_mask(old, batch.rollout_logprobs, batch.mask, args.seq_mask_cap) \
                         if args.seq_mask_cap else batch.mask.new_ones(())
                     totals.add({"mismatch/masked_fraction": (1 - kept).sum() / num_sequences},

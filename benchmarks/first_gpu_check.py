@@ -39,7 +39,7 @@ about 10 s of each is the process's start: importing torch and transformers, sta
 - doctor (tyro and not --quick): `tools/doctor.py --scripts grpo --no-memory`'s verdicts (it runs the scripts).
 The torch-level parts together: about 3 minutes estimated; --budget-s (default 480) bounds the whole run, each part's
 limit is cut to what is left of it (with --quick the budget alone bounds them: a shared CPU is slow), and a part that
-no longer fits is recorded as skipped.
+does not fit in what is left is recorded as skipped.
 """
 
 import argparse
@@ -259,7 +259,7 @@ def training_setup(device: torch.device) -> SimpleNamespace:
 
     from common.distributed import init_distributed
     from common.llm.lifecycle import eos_token_ids
-    from common.llm.state import EMBEDDED_MODEL
+    from common.llm.run import EMBEDDED_MODEL
     from tasks.addition import AdditionTask
 
     init_distributed()
@@ -313,7 +313,7 @@ def grpo_lora(device: torch.device, quick: bool) -> dict:
     from common.llm.lora import adapters_disabled, is_adapter, lora_spec
     from common.llm.models import load_model, make_optimizer, optimizer_step
     from common.llm.rollouts import sync_weights
-    from common.llm.state import EMBEDDED_MODEL, LLMArgs
+    from common.llm.run import EMBEDDED_MODEL, LLMArgs
 
     setup = training_setup(device)
     args = LLMArgs(dtype="bfloat16", lora_rank=LORA_RANK, learning_rate=3e-3, warmup_steps=0)
@@ -342,9 +342,9 @@ def grpo_lora(device: torch.device, quick: bool) -> dict:
             reference = token_logprobs(policy, batch, 1.0)
         logprobs = token_logprobs(policy, batch, 1.0)
         old = logprobs.detach()
-        is_weight = torch.exp(old - batch.rollout_logprobs).clamp(max=2.0)
+        correction = torch.exp(old - batch.rollout_logprobs).clamp(max=2.0)
         log_ratio = reference - logprobs
-        per_token = -torch.exp(logprobs - old) * advantages.to(device) * is_weight + beta * (
+        per_token = -torch.exp(logprobs - old) * advantages.to(device) * correction + beta * (
             torch.exp(log_ratio) - log_ratio - 1)
         loss = (per_token * batch.mask).sum() / num_tokens
         loss.backward()
@@ -376,7 +376,7 @@ def distill(device: torch.device, quick: bool) -> dict:
     from common.llm.engines import HFEngine
     from common.llm.models import load_model, make_optimizer, optimizer_step
     from common.llm.rollouts import sync_weights
-    from common.llm.state import EMBEDDED_MODEL, LLMArgs
+    from common.llm.run import EMBEDDED_MODEL, LLMArgs
 
     setup = training_setup(device)
     args = LLMArgs(dtype="bfloat16", warmup_steps=0)
@@ -395,8 +395,8 @@ def distill(device: torch.device, quick: bool) -> dict:
             teacher_logprobs = token_logprobs(teacher, batch, 1.0)
         logprobs = token_logprobs(student, batch, 1.0)
         rewards = -(logprobs.detach() - teacher_logprobs) * batch.mask
-        is_weight = torch.exp(logprobs.detach() - batch.rollout_logprobs).clamp(max=2.0)
-        loss = -(is_weight * rewards * logprobs * batch.mask).sum() / num_tokens
+        correction = torch.exp(logprobs.detach() - batch.rollout_logprobs).clamp(max=2.0)
+        loss = -(correction * rewards * logprobs * batch.mask).sum() / num_tokens
         loss.backward()
         grad_norm, _ = optimizer_step(student, optimizer, scheduler, args.max_grad_norm, step)
         sync_weights(engine, student, args.dtype)
@@ -415,7 +415,7 @@ def throughput(device: torch.device, quick: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from common.llm.engines import HFEngine
-    from common.llm.state import EMBEDDED_MODEL
+    from common.llm.run import EMBEDDED_MODEL
 
     engine = HFEngine(EMBEDDED_MODEL, torch.float32, device)
     prompts = [[4, 5, 13, 6, 7, 14]] * (32 if quick else 256)

@@ -95,7 +95,7 @@ sys.path.insert(0, str(ROOT))
 from common.llm.batching import make_batch, token_logprobs  # noqa: E402
 from common.llm.lora import VLLM_MAX_LORA_RANKS, adapters_disabled, apply_lora, lora_spec  # noqa: E402
 from common.llm.models import make_optimizer, shard_model  # noqa: E402
-from common.llm.state import LLMArgs  # noqa: E402
+from common.llm.run import LLMArgs  # noqa: E402
 
 GIB = 2**30
 # Hugging Face configs of Qwen2.5-0.5B(-Instruct) and Qwen2.5-7B(-Instruct), their sizes only.
@@ -272,7 +272,7 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
 
     from distill_llm import distillation_loss, distillation_rewards
     from dpo_online import dpo_loss, sequence_logprobs
-    from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
+    from grpo_llm import aggregate_loss, grpo_token_loss, truncated_importance_weight
     from ppo_llm import policy_loss, predicted_values, value_loss
 
     policy, value_model = models["policy"], models.get("value")
@@ -296,8 +296,8 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
         on_forward(policy)
         logprobs = token_logprobs(policy, batch, 1.0)
         if script == "grpo":
-            is_weight = truncated_is_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
-            per_token = grpo_token_loss(logprobs - logprobs.detach(), is_weight, logprobs, None, torch.ones(rows, 1),
+            correction = truncated_importance_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
+            per_token = grpo_token_loss(logprobs - logprobs.detach(), correction, logprobs, None, torch.ones(rows, 1),
                                         0.2, 0.28, 0.0)
             loss = aggregate_loss(per_token, batch.mask, "dapo", rows, int(num_tokens), batch.mask.shape[1])
         elif script == "distill":
@@ -310,8 +310,8 @@ def run_step(script: str, models: dict, optimizers: list, batches: list, on_forw
         else:
             on_forward(value_model)
             values = predicted_values(value_model, batch)
-            is_weight = truncated_is_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
-            loss = (policy_loss(torch.exp(logprobs - logprobs.detach()), is_weight, torch.ones_like(logprobs),
+            correction = truncated_importance_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
+            loss = (policy_loss(torch.exp(logprobs - logprobs.detach()), correction, torch.ones_like(logprobs),
                                 batch.mask, 0.2, num_tokens)
                     + 0.1 * value_loss(values, values.detach(), torch.zeros_like(values), batch.mask, 0.5, num_tokens))
         loss.backward()

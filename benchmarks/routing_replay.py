@@ -60,7 +60,7 @@ def trainer_seconds(path: str, calls: int) -> dict[str, list[float]]:
     from common.llm.batching import make_batch, token_logprobs
     from common.llm.models import load_model
     from common.llm.routing import install_route_replay, moe_blocks
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
 
     start_process_group()
     policy = load_model(path, LLMArgs(), torch.device("cpu"))

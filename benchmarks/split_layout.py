@@ -1,5 +1,5 @@
-"""Colocated against the split layout, side by side on this machine in one sitting: GRPO at the same global batch as
-today's colocated 2 ranks, against 1 rollout rank + 1 trainer rank (`--rollout-ranks 1`) at staleness 0 and 1. The
+"""Colocated against the split layout, side by side on this machine in one sitting: GRPO at the same global batch on
+2 colocated ranks, against 1 rollout rank + 1 trainer rank (`--rollout-ranks 1`) at staleness 0 and 1. The
 configurations run in turns (colocated, split S=0, split S=1, then again), so load on the machine hits all alike.
 
     python benchmarks/split_layout.py --engine fake --out benchmarks/results/split_layout   # generation = a sleep

@@ -1,5 +1,5 @@
 """Weak scaling of one synchronous RL step, predicted by a model (not measured): T(N) per phase and the efficiency
-T(N0) / T(N) for N = 1 ... 1,024 GPUs, N0 = 1 and 8, for today's design and with each fix on or off.
+T(N0) / T(N) for N = 1 ... 1,024 GPUs, N0 = 1 and 8, for the design as built ("today") and with each fix on or off.
 
 The layout is colocated: every rank generates with its own engine, then all ranks train in FSDP lock step, then the
 weights sync into every engine. The per-GPU workload is fixed (weak scaling), so a perfect system keeps T(N) = T(1).
@@ -43,15 +43,15 @@ The model, per step (each phase waits for its slowest rank, as a synchronous des
   Optimizer steps per training step: mu x k (--num-iterations mu passes over the batch, --num-minibatches k
   minibatches of consecutive whole groups, an optimizer step each; default 1 x 1), so mu x k all-reduces; the
   micro-batches are cut within each minibatch, every pass trains all of them, and with mu x k > 1 the first pass
-  adds one forward-only pass (pi_old, as grpo_llm.py computes it once per batch). Today each rank trains its own
+  adds one forward-only pass (pi_old, as grpo_llm.py computes it once per batch). As built, each rank trains its own
   completions in micro-batches of 8 rows, padded to their longest row; with "balance" the rows are packed (no
-  padding) into micro-batches of the same token budget (8 x (prompt + cap): what today's micro-batch must hold at
+  padding) into micro-batches of the same token budget (8 x (prompt + cap): what the built micro-batch must hold at
   worst), as many on every rank as the fullest rank needs.
 - bookkeeping: 10 latency-bound collectives over the whole mesh (scores, counts, gradient norm, statistics), each a
   ring of N - 1 hops; 3 with the fix "fewer_collectives" (statistics reduced by name in one dict); every optimizer
   step past the first adds its gradient norm's. A ring throughout: NCCL may pick a tree (log2 N hops) for small
   all-reduces, so this errs on the slow side.
-- weight sync: today one all-gather per state tensor (339) over the whole mesh, the bf16 bytes once; with the fix
+- weight sync: as built, one all-gather per state tensor (339) over the whole mesh, the bf16 bytes once; with the fix
   "bucketed_sync" one per 256 MiB bucket, however many tensors. Either gathers over the shard group: the whole mesh,
   or the node with "hsdp" (every node holds a full replica). Then the engine's reload: the bf16 bytes read and
   written once in HBM (2 W / HBM).
@@ -150,7 +150,7 @@ class Model:
     layers: int
     kv_heads: int
     head_dim: int
-    state_tensors: int  # today's sync gathers each one by itself
+    state_tensors: int  # the built sync gathers each one by itself
 
 
 # Hugging Face config of Qwen/Qwen2.5-7B: 28 layers, hidden 3584, MLP 18944, 28 query / 4 KV heads of 128, vocab
@@ -168,7 +168,7 @@ class Workload:
     prompts: int = 8  # per GPU
     generations: int = 8  # completions per prompt
     prompt_tokens: int = 200
-    micro_batch_rows: int = 8  # today's --micro-batch-size in benchmarks/README.md's GPU commands
+    micro_batch_rows: int = 8  # the --micro-batch-size of benchmarks/README.md's GPU commands
     forward_passes: int = 0  # forward-only passes per micro-batch (GRPO at --beta 0: none; a reference adds one)
     num_minibatches: int = 1  # k: an optimizer step per minibatch (GRPO's and PPO's --num-minibatches)
     num_iterations: int = 1  # mu: passes over the batch (GRPO's --num-iterations, PPO's --ppo-epochs)
@@ -325,7 +325,7 @@ def packed_micro_batches(lengths: np.ndarray, workload: Workload, group: int, ra
                          ) -> list[np.ndarray]:
     """With "balance", per step: each micro-batch's tokens on its slowest rank, rows packed to the token budget;
     `group` and `ranks` as in balanced_rank_tokens. With k minibatches each packs its 1 / k of the fullest rank's
-    tokens into micro-batches of its own (grpo_llm.py refuses --balance-tokens with --num-minibatches > 1 today: a
+    tokens into micro-batches of its own (grpo_llm.py refuses --balance-tokens with --num-minibatches > 1: a
     stand-in for balancing each minibatch by itself)."""
     budget = workload.micro_batch_rows * (workload.prompt_tokens + workload.cap)
     fullest = balanced_rank_tokens(lengths, workload.prompt_tokens, group, ranks).max(axis=1)

@@ -20,7 +20,7 @@ from tasks.data import Row, load_split, read_local
 
 @dataclass
 class EnvOptions:
-    """The run's settings an adapter needs (each the flag of the same name in common/llm/state.py, or derived from
+    """The run's settings an adapter needs (each the flag of the same name in common/llm/run.py, or derived from
     the run's shape)."""
     dataset: str | None = None  # --env-dataset: the rows; None: empty rows
     prompts_per_step: int = 64  # rows without a dataset: one step's worth, each episode told apart by its seed

@@ -57,7 +57,7 @@ def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600,
 def script_env() -> dict[str, str]:
     return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1",  # the hub is off (above)
             "OMP_NUM_THREADS": "1",  # as torchrun sets it; two threads per process crawl on a busy 2-core machine
-            "PYTHONPATH": str(ROOT)}  # for the workers under tests/
+            "PYTHONPATH": str(ROOT)}  # for the workers under tests/workers/
 
 
 def run_agents(script: str, args: list[str], nnodes: int = 2, nproc: int = 1, cwds: list[Path] | None = None,
@@ -164,6 +164,19 @@ def world_of_one(monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def fake_world(request):
+    """A fake process group (torch's `fake` backend: collectives return at once, moving nothing) of world size
+    request.param[0], as rank request.param[1]."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world_size, rank = request.param
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    yield rank, world_size
+    dist.destroy_process_group()
+
+
 def preempt_at_random(command: list[str], output: Path, marker: str, window_s: float, env: dict[str, str] | None = None,
                       stop_signal: int = 15) -> tuple[int, str, float]:
     """Start `command` (a launcher) with its output in the file `output`, wait until `marker` is printed, send it
@@ -239,7 +252,17 @@ def starts_a_process(function: object, module: ModuleType) -> bool:
     return bool(names_used(function) & (STARTS_A_PROCESS | spawning_helpers(module)))
 
 
+# The modules that take longest, longest first (`make test`'s --durations on our 2-core machine): `make test` hands
+# modules to its two workers in collection order (--no-loadscope-reorder), so these start first and the suite ends
+# on short modules instead of one worker running a long one while the other waits.
+LONGEST_MODULES = ("test_model_families", "test_multiturn", "test_split", "test_smollm2", "test_lora",
+                   "test_environments", "test_ppo_llm", "test_dpo_online", "test_preemption", "test_dqn_atari",
+                   "test_balancing", "test_scale", "test_first_gpu_check")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = {name: rank for rank, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))  # stable: the rest keep their order
     for item in items:
         definitions = [definition for name in item.fixturenames
                        for definition in item._fixtureinfo.name2fixturedefs.get(name, ())]

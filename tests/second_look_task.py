@@ -51,3 +51,15 @@ class UnevenTurnsTask(SecondLookTask):
         if os.environ.get("RANK") == "1":
             environment.step = lambda text: (None, self.reward(text, environment.example), True)
         return environment
+
+
+class CountedTask(SecondLookTask):
+    """Writes its rank to the file $ENVIRONMENT_COUNT_FILE for each environment it builds, for the test that counts
+    them against the episodes that ran."""
+
+    def environment(self) -> Environment:
+        import os
+
+        with open(os.environ["ENVIRONMENT_COUNT_FILE"], "a") as built:
+            built.write(f"{os.environ.get('RANK', '0')}\n")
+        return super().environment()

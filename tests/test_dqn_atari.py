@@ -512,8 +512,8 @@ def test_torchrun_preempted_at_a_random_moment_then_killed_mid_save_resumes_exac
                                                                                      tmp_path: Path):
     """SIGTERM to the launcher at a random moment: every rank stops at the same LOG_EVERY boundary with one
     checkpoint and the line that resumes it. That resume is then killed (SIGKILL to its launcher) in the middle of
-    its next save (rank 0 sleeps before publishing it, tests/slow_rank.py): `latest` still names the preemption's
-    checkpoint, which resumes to the uninterrupted run's metrics and weights."""
+    its next save (rank 0 sleeps before publishing it, tests/workers/slow_rank.py): `latest` still names the
+    preemption's checkpoint, which resumes to the uninterrupted run's metrics and weights."""
     from conftest import only_run_dir, preempt_at_random, read_metrics, resume_line, script_env  # not at the top: the
     # gradient worker imports this module outside pytest
 
@@ -531,7 +531,7 @@ def test_torchrun_preempted_at_a_random_moment_then_killed_mid_save_resumes_exac
 
     resume = resume_line(text)
     script = resume.index("dqn_atari.py")
-    slow = [*resume[:script], "tests/slow_rank.py", *resume[script:]]
+    slow = [*resume[:script], "tests/workers/slow_rank.py", *resume[script:]]
     with open(tmp_path / "killed.txt", "w") as sink:
         launcher = subprocess.Popen(slow, cwd=ROOT, env={**script_env(), "SLOW_RANK": "0", "SLOW_SAVE_S": "120"},
                                     stdout=sink, stderr=subprocess.STDOUT)

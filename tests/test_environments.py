@@ -21,7 +21,7 @@ from conftest import ROOT, check, only_run_dir, read_metrics, run_script, script
 from transformers import AutoTokenizer
 
 from common.llm.episodes import probe_environment, run_episodes, start_episode, start_seed
-from common.llm.state import Sample
+from common.llm.run import Sample
 from tasks import EnvOptions, TaskError, make_task
 from tasks.tools import environment_of
 
@@ -73,7 +73,8 @@ class TurnEngine:
 
 def loop_run(task: object, tokenizer: object, workers: int = 1) -> SimpleNamespace:
     return SimpleNamespace(task=task, tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id], templated=False,
-                           prompt_limit=40, args=SimpleNamespace(max_turns=3, env_workers=workers))
+                           prompt_limit=40, multi_turn=True, event_names=environment_of(task).event_names,
+                           args=SimpleNamespace(max_turns=3, env_workers=workers))
 
 
 # ---------------------------------------------------------------- TRL's contract
@@ -86,7 +87,7 @@ def test_a_trl_class_plays_episodes_seeded_by_its_start(tokenizer):
     task = make_task(f"{HELPERS}:TinyCalls", options())
     assert type(task).__name__ == "TinyCalls" and [s["function"]["name"] for s in task.tool_schemas[None]] == [
         "calculator", "submit"]
-    assert probe_environment(task, tokenizer, task.train[0], 4) is None
+    assert probe_environment(environment_of(task), tokenizer, task.train[0], 4) is None
     opening, results, reward, events = play(task, 7, ["[12*34]", "nothing"])
     assert opening.endswith(":") and results == [("=408;", 0.0, False), (None, 0.0, True)]
     assert reward == 0.0 and events == {"tool_calls": 1, "answers": 1}
@@ -140,7 +141,7 @@ def test_trl_classes_that_break_the_contract_are_refused_naming_class_and_method
                           ("TextReward", "TextReward.get_reward returned '1': a reward is a finite number"),
                           ("Letters", "reset writes a prompt the model cannot read")):
         task = make_task(f"{module}:{name}", options())
-        assert message in probe_environment(task, tokenizer, task.train[0], 4)
+        assert message in probe_environment(environment_of(task), tokenizer, task.train[0], 4)
     with pytest.raises(TaskError, match=r"routes rows to \['double', 'echo'\] .* --env-dataset"):
         make_task(f"{module}:ROUTED", options())
     rows = tmp_path / "rows.jsonl"
@@ -205,7 +206,8 @@ def test_gymnasium_text_environments_five_and_four_tuples_rewards_summed(tmp_pat
     gym:) through the turn loop: the observation is the prompt, then each step's reply; the rewards add up; a step
     past the time limit ends the episode; a non-text observation is refused naming the method."""
     task = make_task(f"{HELPERS}:MultiplyText", options())
-    assert type(task).__name__ == "GymTextTask" and probe_environment(task, tokenizer, task.train[0], 4) is None
+    assert type(task).__name__ == "GymTextTask"
+    assert probe_environment(environment_of(task), tokenizer, task.train[0], 4) is None
     opening, results, _, _ = play(task, 9, ["[10*10]", "1"])
     assert opening == play(task, 9, [])[0] and results == [("=100;", 0.0, False), (None, 0.0, True)]
     assert play(task, 9, [product(opening)])[1] == [(None, 1.0, True)]
@@ -220,7 +222,7 @@ def test_gymnasium_text_environments_five_and_four_tuples_rewards_summed(tmp_pat
     assert play(stuck, 1, ["1"])[1:] == ([(None, 0.0, True)], 0.0, {"failed_timeout": 1})
     pictures = make_task(f"gym:{tmp_path / 'old_gym.py'}:Pictures", options())
     assert "Pictures.reset returned the observation [0, 1] (list)" in probe_environment(
-        pictures, tokenizer, pictures.train[0], 4)
+        environment_of(pictures), tokenizer, pictures.train[0], 4)
     with pytest.raises(TaskError, match="gymnasium cannot make 'NoSuchText-v0'"):
         make_task("gym:NoSuchText-v0", options())
 

@@ -12,11 +12,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from common.llm.balancing import balance_tokens
 from common.llm.batching import make_batch, token_logprobs
 from common.llm.engines import HFEngine
 from common.llm.episodes import probe_environment, reply_encoder, run_episodes, start_episode, turn_seed
-from common.llm.state import Rollout, Sample
 from grpo_llm import aggregate_loss, grpo_token_loss
 from ppo_llm import gae, token_rewards
 from tasks import AdditionTask, Environment, Example, TaskError
@@ -66,7 +64,10 @@ def tokenizer() -> object:
 
 
 def make_run(task: object, tokenizer: object, max_turns: int = 4, env_workers: int = 1) -> SimpleNamespace:
+    environment = environment_of(task)  # as prepare_run decides it
     return SimpleNamespace(task=task, tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id], templated=False,
+                           multi_turn=environment is not None,
+                           event_names=environment.event_names if environment is not None else (),
                            args=SimpleNamespace(max_turns=max_turns, env_workers=env_workers))
 
 
@@ -281,17 +282,6 @@ def test_gae_skips_the_environment_tokens_by_hand():
     assert single[0, 0] != pytest.approx(a0)
 
 
-def test_balancing_carries_the_loss_masks(world_of_one):
-    samples = [Sample([5, 6, 7, 8], [-0.1, -0.2, 0.0, -0.3], False, [1, 1, 0, 1]), Sample([9, 1], [-0.4, -0.5], True)]
-    rollout = Rollout([[3, 4], [3, 4]], [], samples, [s.completion_ids for s in samples], [], torch.zeros(2),
-                      torch.zeros(2), torch.tensor([[[2, 4], [2, 2]]]), 0.0, 0.0, {}, 1, 0, [], {})
-    run = SimpleNamespace(rank=0, device=torch.device("cpu"))
-    moved, values, _ = balance_tokens(rollout, run, torch.tensor([[1.0], [2.0]]), 1, 8, 0)
-    by_ids = {tuple(s.completion_ids): s for s in moved.samples}
-    assert by_ids[(5, 6, 7, 8)].loss_mask == [1, 1, 0, 1] and by_ids[(9, 1)].loss_mask is None
-    assert by_ids[(9, 1)].truncated and by_ids[(5, 6, 7, 8)].logprobs == pytest.approx([-0.1, -0.2, 0.0, -0.3])
-
-
 class Tools(AdditionTask):
     def __init__(self, tools: tuple) -> None:
         super().__init__(num_train=1, num_test=1)
@@ -367,11 +357,12 @@ def test_model_written_code_runs_in_the_sandbox_and_the_episode_goes_on():
     environment.events = Counter()
     environment.reset(task.train[0])
     limits = (SANDBOX.cpu_seconds, SANDBOX.wall_seconds)
-    SANDBOX.cpu_seconds, SANDBOX.wall_seconds = 1, 3
+    # a wall limit far past the CPU limit: on a loaded machine (the suite's other worker) the loop may get a third of
+    # a core, and the wall limit must not come first
+    SANDBOX.cpu_seconds, SANDBOX.wall_seconds = 1, 60
     try:
-        started = time.time()
         reply, _, done = environment.step(call("python", '{"code": "while True: pass"}'))
-        assert "[timeout: CPU limit of 1 s]" in reply and not done and time.time() - started < 3
+        assert "[timeout: CPU limit of 1 s]" in reply and not done
         reply, _, _ = environment.step(call("python", '{"code": "print(6*7)"}'))
         assert reply.strip() == "42"
     finally:
@@ -417,7 +408,7 @@ def test_the_docs_multi_turn_task_plays_its_episodes(tmp_path: Path, tokenizer):
 
     task = make_task(f"{docs_block('## Multi-turn: the environment', 'two_tries', tmp_path)}:TwoTries")
     example = task.train[0]
-    assert probe_environment(task, tokenizer, example, max_turns=4) is None
+    assert probe_environment(environment_of(task), tokenizer, example, max_turns=4) is None
 
     def play(texts: list[str], max_turns: int = 4) -> tuple[list[tuple], bool | None, int]:
         environment = environment_of(task)
@@ -485,15 +476,14 @@ def test_the_probe_finds_a_wrong_step_and_an_unencodable_reply_before_any_model(
             return self.environment_class()
 
     task = Probed()
-    problem = probe_environment(task, tokenizer, task.train[0], max_turns=4)
+    problem = probe_environment(environment_of(task), tokenizer, task.train[0], max_turns=4)
     assert "failed at turn 1" in problem and "step's done must be a bool, got 'yes'" in problem
     assert "probe_text = None skips the step" in problem
     task.environment_class = LetterReplyEnvironment
-    assert probe_environment(task, tokenizer, task.train[0], 4) == (
+    assert probe_environment(environment_of(task), tokenizer, task.train[0], 4) == (
         "the reply 'higher' encodes to '' with this tokenizer: its characters are unknown to it")
     LetterReplyEnvironment.probe_text = None  # an environment whose step must not run twice: reset only
     try:
-        assert probe_environment(task, tokenizer, task.train[0], 4) is None
+        assert probe_environment(environment_of(task), tokenizer, task.train[0], 4) is None
     finally:
         del LetterReplyEnvironment.probe_text
-    assert probe_environment(AdditionTask(num_train=8, num_test=4), tokenizer, task.train[0], 4) is None  # 1 turn

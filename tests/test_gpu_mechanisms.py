@@ -50,7 +50,7 @@ def _overriding_kernels(calls: dict[str, int]) -> torch.library.Library:
 def _grpo_update_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The gradients of one GRPO loss (grpo_llm.py's, shared-prompt layout) on a fixed rollout."""
     from common.llm.batching import make_batch, token_logprobs
-    from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
+    from grpo_llm import aggregate_loss, grpo_token_loss, truncated_importance_weight
 
     prompts, completions = [[3, 4, 12]] * 2 + [[5, 12, 6, 7, 13]] * 2, [[9, 10, 1], [11], [9, 1], [10, 11, 12]]
     rollout_logprobs = [[-1.0] * len(c) for c in completions]
@@ -59,7 +59,7 @@ def _grpo_update_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     logprobs = token_logprobs(model, batch, temperature=0.7)
     advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
-    weight = truncated_is_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
+    weight = truncated_importance_weight(logprobs.detach(), batch.rollout_logprobs, 2.0)
     per_token = grpo_token_loss(logprobs - logprobs.detach(), weight, logprobs, None, advantages, 0.2,
                                 0.28, 0.0)
     aggregate_loss(per_token, batch.mask, "dapo", 4, int(batch.mask.sum()), 4).backward()
@@ -106,7 +106,7 @@ def sharded_loading_child(directory: str) -> None:
     from common.distributed import init_distributed
     from common.llm.batching import make_batch, token_logprobs
     from common.llm.models import export_pretrained, load_model
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
     from ppo_llm import ValueModel
 
     rank = init_distributed()[0]
@@ -374,7 +374,7 @@ def test_a_frozen_models_forward_order_stays_bounded_over_many_forwards(world_of
     from torch.distributed.fsdp import FSDPModule
 
     from common.llm.models import forward_order_lengths, load_model
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
 
     path, args, device = str(ROOT / "assets" / "tiny-adder"), LLMArgs(), torch.device("cpu")
     frozen, trained = load_model(path, args, device, trainable=False), load_model(path, args, device)

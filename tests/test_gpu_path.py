@@ -1,7 +1,7 @@
 """The GPU path's third read (issue 26), reproduced on CPU where the mechanism allows: the LM head's bf16 backward
-GEMMs, HSDP's one all-reduce per optimizer step (counted on a fake process group), token balancing's point-to-point
-exchange between the pairs that move rows only, the environment set before vLLM and Triton start, no NaN fill of
-uninitialised memory, and no host sync inside any script's micro-batch loop."""
+GEMMs, HSDP's one all-reduce per optimizer step (counted on a fake process group), the environment set before vLLM
+and Triton start, no NaN fill of uninitialised memory, and no host sync inside any script's micro-batch loop. Token
+balancing's point-to-point exchange between the pairs that move rows only: tests/test_balancing.py."""
 
 import collections
 import json
@@ -64,18 +64,6 @@ def test_bf16_head_backward_stays_within_the_bf16_gradient_it_returns():
     assert _relative_error(f32_hidden, exact_hidden) < 1e-5 and _relative_error(f32_weight, exact_weight) < 1e-5
 
 
-@pytest.fixture
-def fake_world(request):
-    """A fake process group (torch's `fake` backend: collectives return at once, moving nothing) of world size
-    request.param[0], as rank request.param[1]."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    world_size, rank = request.param
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    yield rank, world_size
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("fake_world", [(4, 0)], indirect=True)
 def test_hsdp_all_reduces_across_nodes_once_per_optimizer_step(fake_world, monkeypatch):
     """2 nodes x 2 ranks (HSDP), three micro-batches: FSDP2's default all-reduces every unit's gradient shards after
@@ -106,40 +94,6 @@ def test_hsdp_all_reduces_across_nodes_once_per_optimizer_step(fake_world, monke
         counts[with_fix] = dict(all_reduces)
         model.zero_grad(set_to_none=True)
     assert counts == {False: {"across nodes": 3 * units}, True: {"across nodes": units}}
-
-
-@pytest.mark.parametrize("fake_world", [(4, rank) for rank in range(4)], indirect=True)
-def test_token_balancing_messages_only_the_pairs_that_move_rows(fake_world, monkeypatch):
-    """World 4, rank 0 holding the long completions: the plan moves rows between some pairs of ranks only, and each
-    rank posts exactly those sends and receives (an all-to-all would post one of each to every peer, empty or not)."""
-    from common.llm.balancing import balance_tokens, balanced_partition
-    from common.llm.state import Rollout, Sample
-
-    rank, world_size = fake_world
-    rows = 4
-    completion_lengths = [[30, 28, 26, 24], [3, 3, 2, 2], [4, 3, 3, 2], [2, 2, 2, 2]]
-    prompts = [[3, 4, 5]] * rows
-    samples = [Sample([5] * length, [-0.5] * length, False) for length in completion_lengths[rank]]
-    lengths = torch.tensor([[[3, length] for length in ranks] for ranks in completion_lengths])
-    rollout = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0), torch.empty(0),
-                      lengths, 0.0, 0.0, {}, 1, 0, [])
-    messages = {"send": set(), "receive": set()}
-    monkeypatch.setattr(dist, "isend", lambda tensor, dst: messages["send"].add(dst) or _done())
-    monkeypatch.setattr(dist, "irecv", lambda tensor, src: messages["receive"].add(src) or _done())
-    monkeypatch.setattr(dist, "all_to_all_single", lambda *args, **kwargs: pytest.fail("an all-to-all"))
-    run = SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"), pad_id=0)
-    balance_tokens(rollout, run, torch.zeros(rows, 1), 1, 2, 0)
-    weights = [3 + length for ranks in completion_lengths for length in ranks]
-    parts = balanced_partition(weights, world_size)
-    sends = {destination for destination, part in enumerate(parts) if any(u // rows == rank for u in part)} - {rank}
-    receives = {u // rows for u in parts[rank]} - {rank}
-    assert messages == {"send": sends, "receive": receives}
-    pairs = {(rank, d) for d in sends}
-    assert len(pairs) < world_size - 1 or len(receives) < world_size - 1  # some peer gets no message at all
-
-
-def _done() -> SimpleNamespace:
-    return SimpleNamespace(wait=lambda: None)
 
 
 def test_environment_before_the_engine_starts(monkeypatch):
@@ -190,7 +144,7 @@ print(json.dumps(found))
 def test_the_watcher_sees_a_host_sync_between_two_backwards():
     """The negative control of the next test: the pattern fixed in GRPO (indexing with a Python list between two
     backwards) and a .item() are recorded; the same calls after the last backward of a step are not."""
-    from host_sync_worker import HostSyncWatch
+    from workers.host_sync_worker import HostSyncWatch
 
     monitor, weight = HostSyncWatch(), torch.ones(3, requires_grad=True)
     advantages = torch.arange(6.0)
@@ -213,10 +167,11 @@ def test_no_host_sync_inside_a_micro_batch_loop(tmp_path: Path, script: str, ext
     """One step of each LLM script with several micro-batches per optimizer step: between two backwards of one
     step, nothing reads a tensor on the host, builds one from host data, or indexes with a Python list."""
     output = tmp_path / "found.json"
-    check(run_script("tests/host_sync_worker.py", [script, str(output), "--total-steps", "1", "--prompts-per-step",
-                                                    "8", "--num-generations", "4", "--micro-batch-size", "4",
-                                                    "--num-eval-prompts", "8", "--eval-every", "0", "--run-root",
-                                                    str(tmp_path / "runs"), *extra]))
+    check(run_script("tests/workers/host_sync_worker.py", [script, str(output), "--total-steps", "1",
+                                                            "--prompts-per-step", "8", "--num-generations", "4",
+                                                            "--micro-batch-size", "4", "--num-eval-prompts", "8",
+                                                            "--eval-every", "0", "--run-root",
+                                                            str(tmp_path / "runs"), *extra]))
     watched = json.loads(output.read_text())
     assert watched["backwards"] >= 4 and watched["found"] == {}
 
@@ -229,7 +184,7 @@ def test_a_resume_state_rank_0_cannot_read_stops_every_rank_with_a_message(grpo_
     import shutil
 
     from common.llm.checkpoint import read_training_state
-    from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs
+    from common.llm.run import MAY_CHANGE_ON_RESUME, LLMArgs
 
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(grpo_reference_run / "checkpoints", checkpoints)

@@ -22,7 +22,7 @@ from grpo_llm import (
     rollout_correction,
     sequence_mask,
     token_log_ratio,
-    truncated_is_weight,
+    truncated_importance_weight,
 )
 
 EPS = 1e-4
@@ -102,13 +102,13 @@ def test_learning_rate_schedules():
     assert learning_rate_factor(14, 4, 14, "cosine") == pytest.approx(0.0)
 
 
-def test_truncated_is_weight_by_hand():
+def test_truncated_importance_weight_by_hand():
     old = torch.log(torch.tensor([0.5, 0.9, 0.2]))
     rollout = torch.log(torch.tensor([0.25, 0.9, 0.4])).requires_grad_()
-    weight = truncated_is_weight(old, rollout, cap=1.5)
+    weight = truncated_importance_weight(old, rollout, cap=1.5)
     torch.testing.assert_close(weight, torch.tensor([1.5, 1.0, 0.5]))  # ratio 2 capped at 1.5; 1; 0.5
     assert not weight.requires_grad  # a constant per token: no gradient flows through the correction
-    torch.testing.assert_close(truncated_is_weight(old, rollout, cap=0.0), torch.ones(3))  # 0 turns it off
+    torch.testing.assert_close(truncated_importance_weight(old, rollout, cap=0.0), torch.ones(3))  # 0 turns it off
 
 
 def test_grpo_loss_combines_surrogate_tis_and_kl_by_hand():
@@ -125,7 +125,7 @@ def test_grpo_loss_combines_surrogate_tis_and_kl_by_hand():
     k3 = 0.5 - math.log(0.5) - 1
     assert loss.item() == pytest.approx((-2 * 1.5 - 2 * 1.0 + 0.1 * k3) / 2)
     # the statistics the loop logs next to it: the mean TIS weight and k3 KL, no clip at ratio 1
-    assert (truncated_is_weight(logprobs, rollout, 1.5) * mask).sum().item() / 2 == pytest.approx(1.25)
+    assert (truncated_importance_weight(logprobs, rollout, 1.5) * mask).sum().item() / 2 == pytest.approx(1.25)
     assert (k3_kl(logprobs, ref) * mask).sum().item() / 2 == pytest.approx(k3 / 2)
     assert clip_active(log_ratio, torch.tensor([[2.0]]), 0.2, 0.28).sum().item() == 0.0
     loss.backward()  # d/dlogp of -ratio*A*w at ratio 1 is -A*w; of beta*k3 is beta*(1 - pi_ref/pi)
@@ -146,7 +146,8 @@ def test_sequence_mask_by_hand():
     weight = rollout_correction(old, rollout, mask, tis_cap=2.0, seq_mask_cap=3.0)
     torch.testing.assert_close(weight, torch.tensor([[2.0, 2.0], [2.0, 0.5], [0.0, 0.0], [0.0, 0.0]]))
     assert not weight.requires_grad
-    torch.testing.assert_close(rollout_correction(old, rollout, mask, 2.0, 0.0), truncated_is_weight(old, rollout, 2.0))
+    torch.testing.assert_close(rollout_correction(old, rollout, mask, 2.0, 0.0),
+                               truncated_importance_weight(old, rollout, 2.0))
 
 
 def test_grpo_loss_masks_padding():

@@ -184,7 +184,7 @@ def fake_run(rounds: int, task: ParityTask) -> SimpleNamespace:
     args = Args(prompts_per_step=8, num_generations=2, dynamic_sampling_rounds=rounds)
     return SimpleNamespace(args=args, rank=0, world_size=1, task=task, tokenizer=tokenizer, train=task.train,
                            train_ids=[tokenizer(e.prompt).input_ids for e in task.train],
-                           eos_ids=[tokenizer.eos_token_id])
+                           eos_ids=[tokenizer.eos_token_id], multi_turn=False)
 
 
 def drawn(engine: FakeEngine, run: SimpleNamespace, step: int, refill_round: int) -> list[tuple]:

@@ -2,7 +2,7 @@
 no import circle anywhere in the project; `common/`'s own modules import neither the LLM plumbing nor the tasks (they
 are DQN's whole dependency set); the tasks import nothing of `common/llm/` (a user's task needs no trainer); and no
 module of `common/` or `tasks/` grows past about 400 lines, except the sandbox's two sides (one security boundary,
-read whole)."""
+read whole); and the tests' index, tests/README.md, names every file of tests/."""
 
 import ast
 from pathlib import Path
@@ -98,7 +98,7 @@ def test_each_room_imports_only_downwards():
             assert not {t for t in targets if t.startswith(("common.llm", "tasks"))}, name  # DQN needs none of it
         if name == "tasks" or name.startswith("tasks."):
             assert not {t for t in targets if t.startswith("common.llm")}, name
-    assert "common.llm.lifecycle" in graph["grpo_llm"] and "common.llm.state" not in graph["dqn_atari"]
+    assert "common.llm.lifecycle" in graph["grpo_llm"] and "common.llm.run" not in graph["dqn_atari"]
 
 
 def test_no_module_over_about_400_lines():
@@ -107,3 +107,11 @@ def test_no_module_over_about_400_lines():
             name = str(path.relative_to(ROOT))
             if name not in LONG_MODULES_ALLOWED:
                 assert len(path.read_text().splitlines()) <= 420, name
+
+
+def test_the_tests_index_names_every_file_of_the_tests():
+    """A test file, worker or task added under tests/ without its line in tests/README.md fails here."""
+    index = (ROOT / "tests" / "README.md").read_text()
+    files = sorted(path.relative_to(ROOT / "tests") for path in (ROOT / "tests").rglob("*.py"))
+    assert Path("test_house.py") in files and Path("workers/balance_worker.py") in files  # the walk sees the tests
+    assert [str(path) for path in files if f"`{path.name}`" not in index and f"tests/{path}`" not in index] == []

@@ -173,12 +173,13 @@ def test_qwen3_5_moe_trains_with_the_hf_engine_and_its_logprobs_match_the_traine
 
 
 def test_qwen3_next_weight_sync_reaches_vllm_cpu(zoo, tmp_path: Path):
-    """Qwen3-Next on vLLM-CPU in bfloat16 (tests/hybrid_sync_worker.py): a sync of the unchanged weights leaves every
-    sample and logprob as it was, bit for bit, where A_log goes in float32 (vLLM holds it so: qwen_gdn_linear_attn.py);
-    without the MoE repack after the reload the same sync moves them (measured: mean 0.048, max 0.225: the issue's
-    step-2 jump of 0.100); with A_log rounded to bfloat16, as a bfloat16 run's sync sends it and as the trainer computes
-    with it, they move by that rounding alone (measured: at most 1.9e-3). Synced with another seed's model, the engine
-    samples that model: its logprobs are that model's within bfloat16 rounding, far from the first model's."""
+    """Qwen3-Next on vLLM-CPU in bfloat16 (tests/workers/hybrid_sync_worker.py): a sync of the unchanged weights leaves
+    every sample and logprob as it was, bit for bit, where A_log goes in float32 (vLLM holds it so:
+    qwen_gdn_linear_attn.py); without the MoE repack after the reload the same sync moves them (measured: mean 0.048,
+    max 0.225: the issue's step-2 jump of 0.100); with A_log rounded to bfloat16, as a bfloat16 run's sync sends it and
+    as the trainer computes with it, they move by that rounding alone (measured: at most 1.9e-3). Synced with another
+    seed's model, the engine samples that model: its logprobs are that model's within bfloat16 rounding, far from the
+    first model's."""
     import json
     import subprocess
     import sys
@@ -187,8 +188,8 @@ def test_qwen3_next_weight_sync_reaches_vllm_cpu(zoo, tmp_path: Path):
 
     other = build_family("qwen3_next", tmp_path / "other", seed=1)
     out = tmp_path / "samples.json"
-    subprocess.run([sys.executable, "tests/hybrid_sync_worker.py", str(zoo("qwen3_next")), str(other), str(out)],
-                   cwd=ROOT, env=script_env(), check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "tests/workers/hybrid_sync_worker.py", str(zoo("qwen3_next")), str(other),
+                    str(out)], cwd=ROOT, env=script_env(), check=True, capture_output=True, timeout=600)
     result = json.loads(out.read_text())
     samples = result["samples"]
 

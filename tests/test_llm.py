@@ -1,4 +1,4 @@
-"""The LLM layer the three LLM scripts share (common/llm/: batching, models, scoring, lifecycle), checked piece by piece
+"""The LLM layer the LLM scripts share (common/llm/: batching, models, scoring, lifecycle), checked piece by piece
 against plain references.
 
 Checks that two computations are the same function (lean vs naive logprobs, packed vs padded rows) run in float64,
@@ -25,8 +25,8 @@ from common.llm.batching import make_batch, mismatch_stats, pad_completions, tok
 from common.llm.lifecycle import encode_texts, eos_token_ids
 from common.llm.models import export_pretrained, load_model, stream_weights
 from common.llm.rollouts import prompts_for_rank
+from common.llm.run import LLMArgs
 from common.llm.scoring import RewardModel, check_scalar_head, decode_completion, task_scores
-from common.llm.state import LLMArgs
 from tasks import Example
 
 TINY = ROOT / "assets" / "tiny-adder"
@@ -187,7 +187,7 @@ def test_chosen_token_logprob_forward_and_backward_match_autograd(monkeypatch):
 def test_the_head_runs_in_float32_for_a_bfloat16_model(monkeypatch):
     """bf16 hidden states and head weight, logits up to |z| = 28 as in a trained LLM: the chosen-token logprob equals
     the log-softmax of the exact products up to float32 rounding (measured 2e-6), where rounding the logits to bf16
-    first (the head in the model's dtype, as before) erred by 0.016 nats on average and 0.078 at most."""
+    first (the head in the model's dtype) erred by 0.016 nats on average and 0.078 at most."""
     monkeypatch.setattr(batching, "CHUNK_ROWS", 64)
     generator = torch.Generator().manual_seed(0)
     hidden = (torch.randn(256, 64, generator=generator) * 0.6).to(torch.bfloat16)
@@ -440,8 +440,8 @@ def test_reward_model_reads_a_text_that_ends_in_its_pad_token(world_of_one, tmp_
 def test_a_sample_does_not_depend_on_the_prefix_cache(tmp_path):
     """vLLM-CPU with its prefix cache (the default) and without (--no-prefix-cache): the same seeded request gives
     the same tokens and logprobs on a cold cache, a warm one (served from the cache), beside requests sharing its
-    first KV block, after its blocks were evicted, and without the cache at all (tests/prefix_cache_worker.py). On a
-    GPU the attention kernels differ: the same check there is still to run (issue 39)."""
+    first KV block, after its blocks were evicted, and without the cache at all (tests/workers/prefix_cache_worker.py).
+    On a GPU the attention kernels differ: the same check there is still to run (issue 39)."""
     import subprocess
     import sys
 
@@ -450,8 +450,8 @@ def test_a_sample_does_not_depend_on_the_prefix_cache(tmp_path):
     results = {}
     for mode in ("on", "off"):
         out = tmp_path / f"{mode}.json"
-        subprocess.run([sys.executable, "tests/prefix_cache_worker.py", str(out), mode], cwd=ROOT, env=script_env(),
-                       check=True, capture_output=True, timeout=300)
+        subprocess.run([sys.executable, "tests/workers/prefix_cache_worker.py", str(out), mode], cwd=ROOT,
+                       env=script_env(), check=True, capture_output=True, timeout=300)
         results[mode] = json.loads(out.read_text())
     assert sum(results["on"]["prefix_cache_hits"]) > 0  # the cache did serve P's first block
     reference = results["on"]["samples"]["cold"]

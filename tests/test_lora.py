@@ -1,4 +1,4 @@
-"""LoRA (common/llm/lora.py) in the three LLM scripts: the layer and its merge by hand, the adapters' start (seeded,
+"""LoRA (common/llm/lora.py) in the LLM scripts: the layer and its merge by hand, the adapters' start (seeded,
 the same at world sizes 1 and 2, the base model's logprobs bit for bit, in the engine too), every adapted layer
 trained, the reference as the adapters switched off, the same bits twice and after a resume (colocated and split one
 step off), PPO with a LoRA value model, online DPO, episodes with GSPO's ratio, the export vLLM loads, and the bad
@@ -152,7 +152,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
 
 
 def test_the_default_targets_are_the_familys_projections_and_leave_the_experts_frozen(zoo: Callable, capsys):
-    """--lora-target-modules left empty: the embedded Qwen2 gets today's seven projections (so LoRA runs keep their
+    """--lora-target-modules left empty: the embedded Qwen2 gets its seven projections (so LoRA runs keep their
     bits), every zoo family its own names; a MoE model's feed-forward slot (experts, router, shared experts) is left
     out, and vLLM-CPU gives a MoE model's engine merged weights."""
     assert default_targets(str(TINY)) == QWEN2_TARGETS
@@ -246,7 +246,7 @@ def test_lora_in_float32_on_a_gpu_engine_is_refused_before_any_model_loads(chang
     (vllm/lora/ops/triton_ops/lora_shrink_op.py): the default --dtype float32 is refused there, naming both ways
     out; merged weights, the transformers engine, or the CPU (torch ops) are fine."""
     from common.llm.checks import check_llm_args
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
 
     args = {"lora_rank": 8, "rollout_engine": "vllm", **changes}
     if refused:
@@ -373,7 +373,7 @@ def test_a_resume_on_another_value_model_base_is_refused(tmp_path: Path):
     import ppo_llm
     from common.llm.checkpoint import resume_mismatch
     from common.llm.lora import base_fingerprint
-    from common.llm.state import MAY_CHANGE_ON_RESUME
+    from common.llm.run import MAY_CHANGE_ON_RESUME
 
     value = tmp_path / "value"
     shutil.copytree(TINY, value)
@@ -397,14 +397,14 @@ def test_a_resume_on_another_value_model_base_is_refused(tmp_path: Path):
 
 
 def test_adapters_start_the_same_at_any_world_size_and_every_layer_trains(tmp_path: Path):
-    """tests/lora_worker.py at world sizes 1 and 2: the same initial adapters; the start is the base model bit for bit;
-    each of the 28 adapted layers gets a gradient (the frozen base none); with the adapters switched off the policy's
-    logprobs equal a separately loaded reference's after an update moved it; in bfloat16 the base is held in bfloat16
-    and the adapters in float32 in the same FSDP units, and AdamW holds the adapters alone."""
+    """tests/workers/lora_worker.py at world sizes 1 and 2: the same initial adapters; the start is the base model bit
+    for bit; each of the 28 adapted layers gets a gradient (the frozen base none); with the adapters switched off the
+    policy's logprobs equal a separately loaded reference's after an update moved it; in bfloat16 the base is held in
+    bfloat16 and the adapters in float32 in the same FSDP units, and AdamW holds the adapters alone."""
     summaries = []
     for nproc in (0, 2):
         path = tmp_path / f"summary{nproc}.json"
-        check(run_script("tests/lora_worker.py", [str(path)], nproc=nproc, timeout=300))
+        check(run_script("tests/workers/lora_worker.py", [str(path)], nproc=nproc, timeout=300))
         summaries.append(json.loads(path.read_text()))
     assert summaries[0]["initial_hash"] == summaries[1]["initial_hash"]
     for summary in summaries:
@@ -418,7 +418,7 @@ def test_adapters_start_the_same_at_any_world_size_and_every_layer_trains(tmp_pa
 def test_the_engine_serving_fresh_adapters_samples_as_the_engine_without_lora(tmp_path: Path):
     results = {}
     for mode in ("base", "fresh"):
-        check(run_script("tests/lora_engine_worker.py", [str(tmp_path / f"{mode}.json"), mode], timeout=300))
+        check(run_script("tests/workers/lora_engine_worker.py", [str(tmp_path / f"{mode}.json"), mode], timeout=300))
         results[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
     assert results["fresh"] == results["base"]  # tokens and logprobs, bit for bit
     assert len({str(sample[0]) for sample in results["base"]}) > 3  # the samples are not all alike
@@ -472,7 +472,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(lora_run: Path,
     results = {}
     for mode, directory in (("adapter", checkpoint), ("model", checkpoint / "merged")):
         out = tmp_path / f"{mode}.json"
-        check(run_script("tests/lora_engine_worker.py", [str(out), mode, str(directory)], timeout=300))
+        check(run_script("tests/workers/lora_engine_worker.py", [str(out), mode, str(directory)], timeout=300))
         results[mode] = json.loads(out.read_text())
     greedy = slice(6, 9)
     assert [s[0] for s in results["adapter"][greedy]] == [s[0] for s in results["model"][greedy]]

@@ -47,6 +47,21 @@ def test_ppo_and_dpo_train_on_episodes(tmp_path: Path, vllm_cpu_tensor_parallel:
         assert steps[-1]["train/completion_length"] == steps[-1]["episode/model_tokens"]
 
 
+def test_the_environment_is_built_once_per_episode(tmp_path: Path, monkeypatch):
+    """A multi-turn task's environment() runs once per episode, and once for the start-up probe (which also decides
+    that the task is multi-turn): over the evaluation before training, one step and the evaluation after it."""
+    built = tmp_path / "built"
+    monkeypatch.setenv("ENVIRONMENT_COUNT_FILE", str(built))
+    check(run_script("grpo_llm.py", ["--task", "tests/second_look_task.py:CountedTask", "--rollout-engine", "fake",
+                                     "--max-completion-length", "16", "--prompts-per-step", "4", "--num-generations",
+                                     "2", "--micro-batch-size", "8", "--num-eval-prompts", "4", "--total-steps", "1",
+                                     "--run-root", str(tmp_path / "run")]))
+    assert [m["step"] for m in read_metrics(only_run_dir(tmp_path / "run")) if "eval/accuracy" in m] == [0, 1]
+    episodes = 4 * 2 + 2 * 4  # the step's 4 prompts x 2, and 4 held-out prompts at each evaluation
+    ranks = built.read_text().splitlines()
+    assert len(ranks) == 1 + episodes and set(ranks) == {"0"}
+
+
 def test_an_environment_broken_on_one_rank_stops_every_rank(tmp_path: Path):
     """Mid-run (the environment skips the start-up probe): both ranks stop with the message, and the engines shut down
     before the process group goes, so no rank prints vLLM's shutdown traceback after it."""

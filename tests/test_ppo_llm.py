@@ -33,7 +33,7 @@ from ppo_llm import (
     rollout_correction,
     sequence_mask,
     token_rewards,
-    truncated_is_weight,
+    truncated_importance_weight,
     value_clip_active,
     value_loss,
     whiten,
@@ -132,7 +132,7 @@ def test_policy_loss_by_hand():
     assert (clipped * mask).sum().item() / 3 == pytest.approx(1 / 3)  # the fourth clipped token is padding
     approx_kl = (0.5 * (logprobs - old) ** 2 * mask).sum().item() / 3  # as the loop computes it (N+ details)
     assert approx_kl == pytest.approx(0.5 * (2 * math.log(1.5) ** 2 + math.log(0.5) ** 2) / 3)
-    assert (truncated_is_weight(old, rollout, 1.5) * mask).sum().item() / 3 == pytest.approx((1.5 + 1 + 1) / 3)
+    assert (truncated_importance_weight(old, rollout, 1.5) * mask).sum().item() / 3 == pytest.approx((1.5 + 1 + 1) / 3)
     loss.backward()  # the clipped token has no gradient; the others d(-A r w)/dlogp = -A r w
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 1.5, -0.5, 0.0]]) / 3)
 
@@ -157,7 +157,7 @@ def test_policy_loss_without_tis():
     logprobs, rollout = torch.zeros(1, 2), torch.log(torch.tensor([[0.25, 4.0]]))
     weight = rollout_correction(logprobs, rollout, torch.ones(1, 2), tis_cap=0.0, seq_mask_cap=0.0)
     loss = policy_loss(torch.exp(logprobs - logprobs), weight, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2, 2)
-    assert loss.item() == pytest.approx(-1.0) and torch.all(truncated_is_weight(logprobs, rollout, 0.0) == 1.0)
+    assert loss.item() == pytest.approx(-1.0) and torch.all(truncated_importance_weight(logprobs, rollout, 0.0) == 1.0)
 
 
 def test_value_loss_by_hand():

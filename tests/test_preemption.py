@@ -116,7 +116,7 @@ def test_the_ranks_decide_together(tmp_path: Path):
     """A signal that reached rank 1 alone stops rank 0 too; a checkpoint part that failed on rank 1 alone fails the
     checkpoint on both (the partial directory gone, `latest` unchanged); rank 0's failed log write ends both ranks
     with its message and exit status 4."""
-    result = run_script("tests/preemption_worker.py", [str(tmp_path / "checkpoints"), str(tmp_path)], nproc=2,
+    result = run_script("tests/workers/preemption_worker.py", [str(tmp_path / "checkpoints"), str(tmp_path)], nproc=2,
                         timeout=120)
     summaries = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert len(summaries) == 2, result.stdout[-3000:] + result.stderr[-3000:]
@@ -209,9 +209,9 @@ def test_a_checkpoint_on_a_full_disk_stops_every_rank_with_one_message(script: s
     common/llm/lifecycle.end_step.)"""
     mount = tmp_path / "fs"
     mount.mkdir()
-    result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "tests/small_disk.py",
-                             str(mount), "64", "*/checkpoints/latest", "1024", str(tmp_path / "copy"), "--",
-                             *TORCHRUN, script, *args, "--run-root", str(mount)],
+    result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable,
+                             "tests/workers/small_disk.py", str(mount), "64", "*/checkpoints/latest", "1024",
+                             str(tmp_path / "copy"), "--", *TORCHRUN, script, *args, "--run-root", str(mount)],
                             cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
     run_dir = only_run_dir(tmp_path / "copy")
     assert_every_rank_stopped_for_a_full_disk(result, mount / run_dir.name, CHECKPOINT_FAILED, run_dir / "checkpoints")
@@ -225,9 +225,9 @@ def test_a_checkpoint_on_a_full_disk_stops_every_rank_with_one_message(script: s
 def test_a_log_line_on_a_full_disk_stops_every_rank_with_one_message(script: str, args: list[str], after: int,
                                                                      tmp_path: Path):
     """The disk is full for every log line after the first checkpoint's step (a fault injected at the write,
-    tests/full_log.py): the ranks stop at the step's end, the failed file named, before the next checkpoint."""
-    result = subprocess.run([*TORCHRUN, "tests/full_log.py", str(after), script, *args, "--run-root", str(tmp_path)],
-                            cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    tests/workers/full_log.py): the ranks stop at the step's end, the failed file named, before the next checkpoint."""
+    result = subprocess.run([*TORCHRUN, "tests/workers/full_log.py", str(after), script, *args, "--run-root",
+                             str(tmp_path)], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
     run_dir = only_run_dir(tmp_path)
     assert_every_rank_stopped_for_a_full_disk(
         result, run_dir, r"cannot write \S+\.jsonl \(OSError: \[Errno 28\] No space left on device\)",

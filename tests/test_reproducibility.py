@@ -55,7 +55,7 @@ def test_resume_refuses_changed_arguments(grpo_reference_run: Path, tmp_path: Pa
 
 def test_model_with_dropout_trains_without_it_and_resumes_exactly(tmp_path: Path):
     """Every policy forward runs in eval mode, as the engine's and the reference's do: with mu = 1 the trainer's
-    logprobs then differ from the engine's by kernel rounding only (about 1e-6; with train mode, as before, they
+    logprobs then differ from the engine's by kernel rounding only (about 1e-6; in train mode, with dropout, they
     differed by 2.8 nats on average and up to 11.7), and the resumed run still matches the uninterrupted one."""
     model_dir = dropout_model(tmp_path / "dropout-adder")
     args = [*SMALL_GRPO, "--model-name-or-path", str(model_dir), "--total-steps", "3", "--eval-every", "0",

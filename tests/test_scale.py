@@ -1,6 +1,6 @@
 """Multi-node launches and the costs that grow with the world size: torchrun agents as separate nodes (c10d rendezvous
-on 127.0.0.1), the shared-file-system check, vLLM tensor parallelism kept inside a node, token balancing, the fake
-engine and timings.jsonl."""
+on 127.0.0.1), the shared-file-system check, vLLM tensor parallelism kept inside a node, HSDP across nodes, the fake
+engine and timings.jsonl (of a run with token balancing, whose own tests are tests/test_balancing.py)."""
 
 import json
 import math
@@ -12,12 +12,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, check, only_run_dir, read_metrics, run_agents, script_env
+from conftest import check, only_run_dir, read_metrics, run_agents
 
 from common.llm import checks
-from common.llm.balancing import balance_groups, balanced_partition, contiguous_pieces
 from common.llm.engines import nvlinked, tensor_parallel_problem
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 
 # The fake engine (no vLLM): lognormal lengths, sleep tau0 x the longest; small enough for 4 ranks on 2 cores
 FAKE = ["--rollout-engine", "fake", "--fake-tau0-s", "0.005", "--fake-median-length", "12",
@@ -116,58 +115,6 @@ def test_the_tensor_parallel_check_asks_nvml_about_this_node_s_groups(determinis
     assert asked == (groups if deterministic else [])
 
 
-def test_balanced_partition_by_hand():
-    assert balanced_partition([5, 1, 1, 1, 4, 3, 2, 2], 2) == [[0, 3, 6, 7], [1, 2, 4, 5]]  # 10 and 9
-    skewed = [100, 90, 80] + [10] * 6 + [3] * 40  # one rank drew the long tail
-    parts = balanced_partition(skewed, 4)
-    loads = [sum(skewed[i] for i in part) for part in parts]
-    assert max(loads) <= 1.1 * sum(loads) / 4
-    assert sorted(i for part in parts for i in part) == list(range(len(skewed)))
-
-
-def test_contiguous_pieces_by_hand():
-    assert contiguous_pieces([1] * 6, 3) == [[0, 1], [2, 3], [4, 5]]
-    assert contiguous_pieces([10, 1, 1, 1], 3) == [[0], [1], [2, 3]]
-    assert contiguous_pieces([1, 1, 1, 10], 3) == [[0, 1], [2], [3]]  # never fewer items left than pieces to fill
-
-
-def test_balancing_groups_are_the_ranks_of_one_node():
-    assert balance_groups(16, 4) == [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]  # never 8 over two nodes
-    assert balance_groups(16, 8) == [range(0, 8), range(8, 16)]
-    assert balance_groups(6, 4) == [range(0, 4), range(4, 6)]  # split layout: the trainers end inside a node
-    assert balance_groups(3, 8) == [range(0, 3)]
-    assert balance_groups(20, 1) == [range(0, 8), range(8, 16), range(16, 20)]  # one rank per node: 8 at a time
-
-
-@pytest.fixture(scope="module")
-def balance_summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("balance") / "summary.json"
-    check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "tests/balance_worker.py", str(out)], cwd=ROOT, env=script_env(), capture_output=True,
-                         text=True, timeout=300))
-    return json.loads(out.read_text())
-
-
-@pytest.mark.parametrize("layout", ["padded", "shared"])
-def test_token_balancing_moves_rows_not_the_loss(balance_summary: dict, layout: str):
-    """Hand-skewed rollouts (rank 0: completions of 20-40 tokens, rank 1: 3-6): after balancing every rank holds
-    nearly the mean, every row arrives exactly once with its logprobs, advantage and MoE routes, both ranks run the
-    same number of micro-batches, and GRPO's loss and gradient norm are the unbalanced ones up to summation order;
-    balancing twice gives the same gradient bits."""
-    result = balance_summary[layout]
-    before = [tokens[0] for tokens in result["tokens_per_rank"]]
-    after = [tokens[1] for tokens in result["tokens_per_rank"]]
-    assert max(before) > 2 * min(before)  # the skew is real
-    assert sum(after) == sum(before) and max(after) <= 1.1 * sum(after) / len(after)
-    assert result["same_rows"]
-    assert len(set(result["micro_batches_per_rank"])) == 1
-    unbalanced, balanced = result["unbalanced"], result["balanced"]
-    # float32 sums in another order: measured 6e-8 relative on the loss, 3e-7 on the norm
-    assert balanced["loss"] == pytest.approx(unbalanced["loss"], rel=1e-5)
-    assert balanced["grad_norm"] == pytest.approx(unbalanced["grad_norm"], rel=1e-5)
-    assert balanced["gradient_sha256"] == result["balanced_again"]["gradient_sha256"]
-
-
 @pytest.fixture(scope="module")
 def fake_balanced_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GRPO with the fake engine and token balancing to a token budget, launched as two nodes of one process."""
@@ -240,23 +187,3 @@ def test_hsdp_across_two_nodes_equals_the_flat_mesh(hsdp_runs: dict[str, Path]):
         assert mesh["train/grad_norm"] > 0 and mesh["train/value_grad_norm"] > 0
     manifests = {name: json.loads((run / "manifest.json").read_text()) for name, run in hsdp_runs.items()}
     assert manifests["flat"]["args"]["fsdp_shard_size"] == 4 and manifests["hsdp"]["args"]["fsdp_shard_size"] == 0
-
-
-def test_token_balancing_keeps_its_partners_within_its_node(tmp_path):
-    """8 gloo ranks, 200 steps of long-tailed random lengths (tests/balance_fds_worker.py). Taken for two nodes of 4
-    ranks, each rank exchanges rows with members of its own node only, and holds fewer open sockets than as one node
-    of 8 (the negative control), whose ranks exchange with peers beyond their first 4."""
-    touched = {}
-    for node in (4, 8):
-        out = tmp_path / f"node_{node}"
-        out.mkdir()
-        check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
-                              "tests/balance_fds_worker.py", str(out), str(node)], cwd=ROOT, env=script_env(),
-                             capture_output=True, text=True, timeout=600))
-        touched[node] = {rank: json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(8)}
-    for rank, result in touched[4].items():
-        own_node = set(range(rank - rank % 4, rank - rank % 4 + 4)) - {rank}
-        assert set(result["peers"]) <= own_node and result["peers"], (rank, result)
-        assert result["sockets_at_end"] < touched[8][rank]["sockets_at_end"], (rank, result, touched[8][rank])
-    assert any(set(result["peers"]) - set(range(rank - rank % 4, rank - rank % 4 + 4))
-               for rank, result in touched[8].items())  # one node of 8: rows cross the first 4 ranks

@@ -1,5 +1,5 @@
-"""HSDP (--fsdp-shard-size) and the bucketed weight sync, on 4 gloo ranks: tests/sharding_worker.py loads the embedded
-model flat (shard size 4) and as HSDP (2 x 2), and these tests read its summary."""
+"""HSDP (--fsdp-shard-size) and the bucketed weight sync, on 4 gloo ranks: tests/workers/sharding_worker.py loads the
+embedded model flat (shard size 4) and as HSDP (2 x 2), and these tests read its summary."""
 
 import json
 
@@ -11,7 +11,7 @@ from conftest import check, run_script
 def summary(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """One worker run under torchrun with 4 ranks: every rank's findings."""
     directory = tmp_path_factory.mktemp("sharding")
-    result = run_script("tests/sharding_worker.py", [str(directory / "summary.json"), str(directory)], nproc=4,
+    result = run_script("tests/workers/sharding_worker.py", [str(directory / "summary.json"), str(directory)], nproc=4,
                         timeout=300)
     check(result)
     return json.loads((directory / "summary.json").read_text())
@@ -69,7 +69,7 @@ def test_check_llm_args_wants_a_shard_size_that_divides_the_world(capsys, monkey
     import common.distributed
     from common.llm.checks import check_llm_args
     from common.llm.models import fsdp_shard_size
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
 
     monkeypatch.setattr(common.distributed, "LOCAL_WORLD_SIZE_AT_LAUNCH", 2)  # two nodes of two ranks: HSDP
     assert fsdp_shard_size(0, 4) == 2 and fsdp_shard_size(4, 4) == 4

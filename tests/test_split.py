@@ -53,12 +53,12 @@ def test_each_trainer_hears_only_from_the_rollout_ranks_holding_its_rows():
 
 
 def test_the_transfers_between_the_sides(tmp_path):
-    """tests/layout_worker.py, 3 gloo ranks: two trainers (FSDP2 over themselves alone, each holding half the
+    """tests/workers/layout_worker.py, 3 gloo ranks: two trainers (FSDP2 over themselves alone, each holding half the
     parameters) stream the weights in bfloat16 through 64 KiB buckets; the rollout rank gets every name (the tied
     LM head too, sent once) bitwise equal to its own unsharded copy, one broadcast per bucket, none near the whole
     model; each trainer receives exactly its rows of the samples, and the evaluation."""
     summary_path = tmp_path / "summary.json"
-    check(run_script("tests/layout_worker.py", [str(summary_path)], nproc=3, timeout=300))
+    check(run_script("tests/workers/layout_worker.py", [str(summary_path)], nproc=3, timeout=300))
     summary = json.loads(summary_path.read_text())
     assert summary["rollout"] == {"rank": 0, "world_size": 1}  # the rollout side's own world
     assert summary["names_equal"] and summary["bitwise_equal"] and summary["dtypes"] == ["torch.bfloat16"]
@@ -97,13 +97,13 @@ def test_one_plus_one_split_equals_the_single_process_run(script: str, tmp_path)
 
 def one_step_off(run_root, extra: list[str], slow: bool = False) -> list[str]:
     """One-step-off GRPO on multi-turn episodes (tests/second_look_task.py: two model turns around a reply), with
-    dynamic sampling; through tests/slow_rank.py when `slow`."""
+    dynamic sampling; through tests/workers/slow_rank.py when `slow`."""
     args = [*SHORT, "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--rollout-ranks", "1",
             "--max-staleness", "1", "--task", "tests/second_look_task.py:SecondLookTask", "--max-completion-length",
             "16", "--dynamic-sampling-rounds", "2", "--run-root", str(run_root), *extra]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "--shutdown-timeout", "300"]
-    script = [str(ROOT / "tests" / "slow_rank.py"), "grpo_llm.py"] if slow else ["grpo_llm.py"]
+    script = [str(ROOT / "tests" / "workers" / "slow_rank.py"), "grpo_llm.py"] if slow else ["grpo_llm.py"]
     return [*launcher, *script, *args]
 
 
@@ -144,8 +144,8 @@ def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
 
     resume = resume_line(text)
     script = resume.index("grpo_llm.py")
-    check(subprocess.run([*resume[:script], str(ROOT / "tests" / "slow_rank.py"), *resume[script:]], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600,
+    check(subprocess.run([*resume[:script], str(ROOT / "tests" / "workers" / "slow_rank.py"), *resume[script:]],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**script_env(), "SLOW_RANK": "0", "SLOW_UPDATE_S": "0.5"}))
     assert (slow / "metrics.jsonl").read_bytes() == reference, context  # continued in the same run directory
     assert final_hash(slow) == reference_hash

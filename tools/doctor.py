@@ -306,7 +306,7 @@ def memory_probe(result_file: Path) -> None:
     from common.determinism import seed_everything
     from common.llm.batching import make_batch
     from common.llm.models import make_optimizer, shard_model
-    from common.llm.state import LLMArgs
+    from common.llm.run import LLMArgs
 
     seed_everything(0)  # the scripts' kernels and cuBLAS workspace, set before CUDA starts
     config = AutoConfig.from_pretrained(estimator.VALIDATION_MODELS["embedded"])

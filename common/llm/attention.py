@@ -153,8 +153,9 @@ def _padded_attention_mask(*args: object, **kwargs: object) -> torch.Tensor:
     padding mask is real (`padding_mask.all()`, read on the host), so that SDPA could run with is_causal instead; on
     GPUs that read waits for every kernel queued, the previous micro-batch's backward included, at every forward.
     Padded RL batches almost always have padding, so the mask was built anyway; here it always is (a micro-batch
-    without any padding, which could have run SDPA's flash kernel with is_causal, now runs the masked kernel: other
-    bits for such a batch than before; the CPU reference runs kept their hashes)."""
+    without any padding, which transformers' own mask would send to SDPA's flash kernel with is_causal, runs the masked
+    kernel: other bits for such a batch than transformers' path; the CPU reference runs' hashes are the same either
+    way)."""
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})

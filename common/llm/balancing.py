@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from common.distributed import local_world_size
-from common.llm.state import LLMRun, Rollout, Sample
+from common.llm.run import LLMRun, Rollout, Sample
 
 # Rows move only among the ranks of one node (`balance_groups`): gloo keeps a socket open for every pair that ever
 # exchanged, so balancing over the whole world would, step after step, open N - 1 per rank (past the common 1,024
@@ -39,7 +39,7 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
     rows), at most the fewest units any rank holds. The rows move point to point between the pairs of ranks that
     exchange any, over gloo (`exchange`), within each node (`balance_groups`), never an all-to-all over the world.
     The loss is unchanged: every normaliser counts the whole batch. Returns this rank's rollout, per_row and
-    pieces."""
+    its micro-batches' rows."""
     world, rows, _ = rollout.lengths.shape
     lengths = rollout.lengths.view(world * rows // unit, unit, 2)  # [global units, unit, (prompt, completion)]
     weights = (lengths[:, :, 0] + lengths[:, :, 1]).sum(1).tolist()
@@ -113,12 +113,12 @@ def balance_tokens(rollout: Rollout, run: LLMRun, per_row: torch.Tensor, unit: i
         return count + bool(current)
 
     count = min(max(needed(part) for part in parts), min(len(part) for part in parts))
-    unit_pieces = contiguous_pieces([weights[u] for u in mine], count) if mine else []
-    pieces = [[i * unit + j for i in piece for j in range(unit)] for piece in unit_pieces]
+    micro_batch_units = contiguous_pieces([weights[u] for u in mine], count) if mine else []
+    micro_batch_rows = [[i * unit + j for i in units for j in range(unit)] for units in micro_batch_units]
     balanced = Rollout(prompts, [], samples, [s.completion_ids for s in samples], [], torch.empty(0), torch.empty(0),
                        rollout.lengths, rollout.started, rollout.seconds, rollout.timings, rollout.step,
                        rollout.version, rollout.rollout_timings, rollout.rollout_metrics)
-    return balanced, torch.tensor(values, dtype=per_row.dtype).reshape(len(samples), -1), pieces
+    return balanced, torch.tensor(values, dtype=per_row.dtype).reshape(len(samples), -1), micro_batch_rows
 
 
 def balanced_partition(weights: list[int], parts: int) -> list[list[int]]:

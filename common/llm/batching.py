@@ -5,23 +5,13 @@
 exactly 0.0 wherever `batch.mask` is 0 (padding), so an exp of a difference never overflows there.
 `batch.rollout_logprobs` holds the engine's logprobs of the same tokens, laid out alike.
 
-Sizes that decided the design, for Qwen2.5-0.5B (hidden H = 896, vocabulary V = 151,936), micro-batches of 8 rows
-of 512 prompt + 1,024 completion tokens:
-- logits at every position in float32 plus three float32 copies (cast, / T, log_softmax) would be
-  4 x 8 x 1,536 x V x 4 B = 30 GB; the HF head's bf16 logits at the completion positions alone 8 x 1,024 x V x 2 B =
-  2.5 GB, as much again for their gradient, and rounded to bf16 (up to 0.06 nats off at |logit| 16-32). So the model
-  runs up to its final hidden states, and the head runs inside `_ChosenTokenLogprob` in float32 on the rows that
-  predict a real token, CHUNK_ROWS at a time: 256 x V x 4 B = 156 MB per float32 temporary (three at once in
-  backward), plus in backward, when the head trains, its float32 gradient (V x H x 4 B = 0.54 GB; 2.2 GB at 7B,
-  H = 3,584) and one vocabulary slice's contribution to it; a frozen head (LoRA's base) gets no gradient, so neither
-  exists nor the GEMM that fills them. On CPUs also a float32 copy of a bf16 head (see _head_backward_mm). The
-  hidden states it keeps are 8 x 1,024 x H x 2 B = 15 MB. The backward recomputes each chunk's logits: one more
-  head matmul, about 9% of a 0.5B model's training FLOPs.
-- shared prompts (GRPO's G samples of a prompt in one packed row) save the prompt's G - 1 repeats, but attention
-  then spans the packed row: at 512 + 8 x 1,025 tokens, 8,712^2 = 76M query-key pairs per row (a 76 MB boolean
-  mask as a dense tensor) against 8 x 1,536^2 / 2 = 9.4M causal pairs for 8 padded rows. So the batch keeps [U, L]
-  segment ids, and on GPUs FlexAttention reads them through a block mask; it pays for short completions (the
-  embedded task: 2.2x fewer tokens).
+The design follows from sizes (the arithmetic, for Qwen2.5-0.5B and 7B: docs/scaling.md, "Memory and bandwidth"):
+the model runs up to its final hidden states, and the head runs inside `_ChosenTokenLogprob` in float32 on the rows
+that predict a real token, CHUNK_ROWS at a time; the backward recomputes each chunk's logits (one more head matmul),
+and a frozen head (LoRA's base) gets no gradient. Shared prompts (GRPO's G samples of a prompt in one packed row) save
+the prompt's G - 1 repeats, but attention then spans the packed row, so the batch keeps [U, L] segment ids, and on
+GPUs FlexAttention reads them through a block mask; it pays for short completions (the embedded task: 2.2x fewer
+tokens).
 """
 
 from dataclasses import dataclass, field
@@ -30,7 +20,7 @@ import torch
 
 from common.llm.attention import packed_attention_mask
 from common.llm.routing import packed_routes, padded_routes, replayed_routes
-from common.llm.state import LLMRun, Rollout
+from common.llm.run import LLMRun, Rollout
 
 CHUNK_ROWS = 256  # rows of float32 [rows, V] logits computed at a time
 
@@ -183,11 +173,10 @@ def _head_backward_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> t
     """a @ b with `dtype` (float32) output, for the head's two backward GEMMs (grad_logits @ W, grad_logits^T @
     hidden: 2 x 2 x rows x V x H FLOPs). With a bf16 head, grad_logits arrives rounded to bf16, as every gradient of
     the bf16 body is, and the products accumulate in float32: on CUDA one bf16 tensor-core GEMM with float32 output
-    (an H100's dense bf16 peak is about 990 TFLOP/s against about 67 in float32 with TF32 off: at 0.5B, 8 x 1,024
-    tokens, the two GEMMs are 4.5 TFLOP, about 70 ms in float32 and under 10 ms in bf16; NVIDIA's datasheet figures,
-    not measured here), and no float32 copy of the head (V x H x 4 B: 0.54 GB at 0.5B, 2.2 GB at 7B). Elsewhere
+    (several times float32's speed: docs/scaling.md, "Memory and bandwidth"), and no float32 copy of the head.
+    Elsewhere
     (CPUs have no mixed-dtype mm) the same bf16 values are multiplied in float32: the same products, another
-    summation order. A float32 head multiplies in float32, as before."""
+    summation order. A float32 head multiplies in float32."""
     if a.is_cuda and a.dtype == b.dtype != dtype:
         return torch.mm(a, b, out_dtype=dtype)
     return a.to(dtype) @ b.to(dtype)
@@ -310,7 +299,7 @@ def mismatch_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
 
 
 def split(rows: list[int] | range, size: int) -> list[list[int] | range]:
-    """Consecutive pieces of at most `size` rows (micro-batches; the last may be smaller), like `Tensor.split`."""
+    """Consecutive runs of at most `size` rows (micro-batches; the last may be smaller), like `Tensor.split`."""
     return [rows[start:start + size] for start in range(0, len(rows), size)]
 
 
@@ -325,15 +314,15 @@ def with_routes(batch: TokenBatch, prompts: list[list[int]], routes: list[torch.
     return batch
 
 
-def micro_batches(rollout: Rollout, pieces: list[list[int] | range], run: LLMRun, share_prompts: bool = False
+def micro_batches(rollout: Rollout, micro_batch_rows: list[list[int] | range], run: LLMRun, share_prompts: bool = False
                   ) -> list[TokenBatch]:
     """One TokenBatch per list of rows, on the device, with the engine's logprobs of those rows' tokens. Counts the
     tokens it lays out, real and padded, into the step's timings."""
     batches = [make_batch([rollout.prompts[r] for r in rows], [rollout.samples[r].completion_ids for r in rows],
                           run.pad_id, run.device, share_prompts, [rollout.samples[r].logprobs for r in rows],
                           [rollout.samples[r].loss_mask for r in rows])
-               for rows in pieces]
-    for batch, rows in zip(batches, pieces):  # --routing-replay: the engine's routes, where the samples carry them
+               for rows in micro_batch_rows]
+    for batch, rows in zip(batches, micro_batch_rows):  # --routing-replay: the engine's routes, if any
         with_routes(batch, [rollout.prompts[r] for r in rows], [rollout.samples[r].routes for r in rows])
     counts = rollout.timings
     counts["micro_batches"] = counts.get("micro_batches", 0) + len(batches)

@@ -11,7 +11,7 @@ from common.distributed import fail, local_world_size
 from common.llm.engines import engine_kind, nvlinked, tensor_parallel_problem
 from common.llm.lora import VLLM_MAX_LORA_RANKS, targets_problem
 from common.llm.models import fsdp_shard_size
-from common.llm.state import LLMArgs, LLMRun, Rollout
+from common.llm.run import LLMArgs, LLMRun, Rollout
 from common.preemption import stop_signals_problem
 
 

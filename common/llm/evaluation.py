@@ -5,19 +5,10 @@ import math
 
 from common.distributed import all_ranks_ok, fail, reduce_stats
 from common.llm.engines import sample_seed
-from common.llm.episodes import is_multi_turn, run_episodes, start_seed
-from common.llm.layout import RemoteRollouts
-from common.llm.scoring import decode_completion, task_scores
-from common.llm.state import LLMRun
+from common.llm.episodes import run_episodes, start_seed
+from common.llm.run import LLMRun
+from common.llm.scoring import decode_completion, sample_correct, task_scores
 from tasks import Example
-from tasks.tools import environment_of
-
-
-def evaluation(engine: object, run: LLMRun) -> dict[str, float]:
-    """Held-out greedy accuracy of the current weights: this rank's engine, or (split) the rollout ranks'."""
-    if isinstance(engine, RemoteRollouts):
-        return engine.evaluation()
-    return evaluate(engine, run, run.args.num_eval_prompts, run.args.max_completion_length)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -37,23 +28,15 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
     count = len(test_ids) if num_eval_prompts == 0 else min(num_eval_prompts, len(test_ids))
     indices = list(range(run.rank, count, run.world_size))
     examples = [run.test[i] for i in indices]
-
-    multi_turn = is_multi_turn(task)  # decided alike on every rank, even one without prompts
-
-    def correct_of(samples: list, examples: list[Example], texts: list[str]) -> list[bool]:
-        if multi_turn:
-            return [sample.episode.correct for sample in samples]
-        return task_scores(task.correct, examples, texts)
-
     starts = [start_seed("test", i) for i in indices]  # the held-out start states: the same for every --seed
     samples = run_episodes(engine, run, [test_ids[i] for i in indices], examples, [0] * len(indices), max_tokens, 0.0,
                            starts)
     texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in samples]
-    sums = {"accuracy": float(sum(correct_of(samples, examples, texts)))}
+    sums = {"accuracy": float(sum(sample_correct(run, examples, samples, texts)))}
     sums.update(task_metric_sums(task, run.test[0], examples, texts))
-    if multi_turn:  # the same names on every rank
+    if run.multi_turn:  # the same names on every rank
         sums["turns"] = float(sum(s.episode.turns for s in samples))
-        if "tool_calls" in environment_of(task).event_names:
+        if "tool_calls" in run.event_names:
             sums["tool_call_rate"] = float(sum(s.episode.events["tool_calls"] > 0 for s in samples))
     k = args.eval_samples
     if k:
@@ -63,7 +46,7 @@ def evaluate(engine: object, run: LLMRun, num_eval_prompts: int, max_tokens: int
         sampled = run_episodes(engine, run, prompts, repeated, seeds, max_tokens, args.eval_temperature,
                                [start for start in starts for _ in range(k)])
         texts = [decode_completion(run.tokenizer, s.completion_ids, run.eos_ids) for s in sampled]
-        right = correct_of(sampled, repeated, texts)
+        right = sample_correct(run, repeated, sampled, texts)
         correct = [int(sum(right[p * k:(p + 1) * k])) for p in range(len(indices))]
         sums[f"mean@{k}"] = sum(correct) / k
         powers = {2**e for e in range(1, k.bit_length()) if 2**e < k}  # 2, 4, ... below k

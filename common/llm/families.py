@@ -219,7 +219,7 @@ def trainer_classes_kept(model_path: str) -> Iterator[None]:
     every family vLLM has no module of its own for) does to the `transformers` classes it serves. It decorates them in
     place (vllm/compilation/decorators.py): a new __init__ that needs a vLLM config, a new __call__ that reads
     attributes only vLLM's own instance has, so the trainer's instances of the same classes failed at their first
-    forward (and any built later, at construction). Each changed method now sends vLLM's calls to vLLM's version
+    forward (and any built later, at construction). Here each changed method sends vLLM's calls to vLLM's version
     (an instance vLLM built; a construction while vLLM's config is current) and every other one to the class's own
     (torch's __call__, hooks included)."""
     from common.llm.lora import meta_model

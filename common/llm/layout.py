@@ -19,23 +19,11 @@ holds it (each trainer's rows, gathered onto rank 0's trainer_state.pt) and a re
 Weights, trainer -> rollout, per sync: every trainer iterates the bucketed gather of the FSDP shards
 (`models.stream_weights`, in the rollout dtype); trainer rank 0 concatenates each bucket of about SYNC_BUCKET_BYTES
 and broadcasts it over `bridge` (a header object, then one tensor); each rollout rank loads it into its engine
-before the next bucket comes, so no rank holds the whole model. Qwen2.5-7B in bfloat16: 15.2 GB in 44 buckets of
-259-1,040 MiB, 88 broadcasts. A broadcast pipelines through a ring or tree, so it costs about bytes / bandwidth
-whatever K: over NVLink inside a node (about 400 GB/s that NCCL's collectives reach on H100) 15.2 GB / 400 GB/s =
-38 ms, over 8 x 400 Gb/s InfiniBand (50 GB/s per GPU, one GPU's rail used by rank 0's sends) 15.2 GB / 50 GB/s =
-0.30 s, plus 44 x 2 broadcast latencies (tens of microseconds each) and the engines' reload (2 x 15.2 GB of HBM
-traffic, about 10 ms at 3.35 TB/s): estimates, not measured. With --max-staleness 1 the broadcast is on the critical
-path once per step (the trainer waits for it; the engines stop only for it). Memory: a rollout rank holds the
-engine's bfloat16 weights (15.2 GB), its KV cache (what --vllm-gpu-memory-utilization leaves; the engine has its GPU
-to itself, so raise it towards 0.9) and, during a sync, the received bucket, the engine's new copy of the module it
-fills and the bucket before it, still referenced through views (at the LM head's bucket 1,040 + 1,040 + 259 =
-2,338 MiB; arithmetic, not measured); no optimizer state, no gradients, no float32 masters. Trainer rank 0 holds,
-besides its shards (Qwen2.5-7B over 8 trainers: float32 masters and Adam moments, 12 B x 7.6B / 8 = 10.6 GiB;
-gradients are freed by then), up to 2,783 MiB at once: while the last bucket (the LM head, 1,040 MiB) is gathered,
-its local slices (130 MiB), the all-gather's output and the full tensors copied out of it (1,040 MiB each), the
-bucket before it (259 MiB), which send_weights keeps until the next tensor arrives, and the concatenation it
-broadcast before that (315 MiB) until that broadcast finishes; 2,468 MiB once it has, as on the other trainers
-(benchmarks/memory_estimate.py, split_sync_held)."""
+before the next bucket comes, so no rank holds the whole model. A broadcast pipelines through a ring or tree, so it
+costs about bytes / bandwidth whatever K; with --max-staleness 1 it is on the critical path once per step (the
+trainer waits for it; the engines stop only for it). A rollout rank holds no optimizer state, gradients or float32
+masters: its engine's weights, its KV cache and, during a sync, a few buckets (the time and the memory at 7B:
+docs/scaling.md, "Memory and bandwidth")."""
 
 import math
 import pickle
@@ -48,7 +36,8 @@ from torch.distributed.distributed_c10d import _update_default_pg
 
 from common import distributed
 from common.llm.models import SYNC_BUCKET_BYTES
-from common.llm.state import Layout, Sample
+from common.llm.rollouts import SampledRows, rank_rows
+from common.llm.run import Layout, LLMRun, Rollout, Sample
 
 
 def split_world(rollout_ranks: int, max_staleness: int) -> Layout:
@@ -194,15 +183,15 @@ def receive_evaluation(layout: Layout) -> dict[str, float]:
 
 
 class RemoteRollouts:
-    """The trainers' stand-in for an engine in the split layout: it receives each step's batch (its own rows) and
-    the evaluations, and sends the weights. `in_flight`: the batch a checkpoint saved (--max-staleness 1)."""
+    """The trainers' rollouts in the split layout, with the methods and attributes of the colocated layout's
+    `LocalRollouts` (common/llm/rollouts.py): each step's rows (this trainer's) and the evaluations arrive from the
+    rollout ranks, sampled and scored; the weights go to them. `in_flight`: the batch a checkpoint saved (S = 1)."""
 
     model_runner = "remote"
 
-    def __init__(self, layout: Layout, rows_per_step: int, total_steps: int, in_flight: list[dict] | None,
-                 serves_adapters: bool = False) -> None:
-        self.layout, self.rows_per_step, self.total_steps, self.in_flight = layout, rows_per_step, total_steps, \
-            in_flight
+    def __init__(self, run: LLMRun, in_flight: list[dict] | None, serves_adapters: bool = False) -> None:
+        self.run, self.layout, self.in_flight = run, run.layout, in_flight
+        self.rows_per_step = run.args.prompts_per_step * run.args.num_generations
         self.serves_adapters = serves_adapters  # the rollout ranks' engines take LoRA adapters alone
         self.wait_s = 0.0  # this step's seconds waiting for samples
 
@@ -212,16 +201,23 @@ class RemoteRollouts:
         self.wait_s += time.time() - started
         return payloads
 
-    def batch(self, step: int) -> list[dict]:
-        """Step `step`'s payloads, one per rollout rank: received now (S = 0, or the first step of a fresh S = 1
-        run), else the batch that arrived during the previous step or came with the checkpoint."""
+    def rows(self, step: int) -> SampledRows:
+        """Step `step`'s rows, one payload per rollout rank: received now (S = 0, or the first step of a fresh S = 1
+        run), else the batch that arrived during the previous step or came with the checkpoint. A checkpoint older
+        than `correct` has scores alone: a score of 1 is correct."""
         self.wait_s = 0.0
         payloads, self.in_flight = self.in_flight or self._receive(), None
-        return payloads
+        indices = [i for payload in payloads for i in payload["indices"]] if "indices" in payloads[0] else \
+            rank_rows(self.run, step)[0]  # the rows of the step's own prompts, unless dynamic sampling refilled them
+        judged = [pair for payload in payloads for pair in zip(payload["scores"], payload.get(
+            "correct", [score >= 1 for score in payload["scores"]]))]
+        timings = [payload["timings"] for payload in payloads]
+        return SampledRows(indices, [sample for payload in payloads for sample in payload["samples"]], None, judged,
+                           max(t["generate_s"] for t in timings), 0.0, None, payloads[0]["version"], timings)
 
     def receive_next(self, step: int) -> None:
         """After update `step`, before its weights go out: with S = 1, the batch of step + 1 (generated meanwhile)."""
-        if self.layout.max_staleness and step < self.total_steps:
+        if self.layout.max_staleness and step < self.run.args.total_steps:
             self.in_flight = self._receive()
 
     def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -229,8 +225,17 @@ class RemoteRollouts:
 
     update_adapter = update_weights  # the adapters travel as any weights do; the rollout ranks load them as adapters
 
-    def evaluation(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
+        """Rollout rank 0's held-out evaluation of the weights last sent."""
         return receive_evaluation(self.layout)
+
+    def step_metrics(self, rollout: Rollout, step: int) -> dict[str, float]:
+        """The staleness of the step's rows, and the idle times: this trainer's wait for them (also in the step's
+        timings), and the rollout ranks' mean wait for the trainers."""
+        rollout.timings["trainer_wait_s"] = self.wait_s
+        return {"perf/trainer_wait_s": self.wait_s, "perf/rollout_wait_s": sum(
+            t["rollout_wait_s"] for t in rollout.rollout_timings) / len(rollout.rollout_timings),
+            "rollout/weight_version": rollout.version, "rollout/staleness": step - 1 - rollout.version}
 
     def close(self) -> None:
         """The rollout ranks end on their own after the last evaluation."""

@@ -10,6 +10,7 @@ generation (`serve_rollouts`) and exits."""
 
 import gc
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from common.determinism import restore_rng_states, seed_everything, seed_rngs
 from common.distributed import (
     all_ranks_ok,
     check_shared_filesystem,
+    end,
     fail,
     init_distributed,
     nccl_record,
@@ -30,8 +32,8 @@ from common.distributed import (
 from common.llm.checkpoint import load_training_checkpoint, read_training_state, save_training_checkpoint
 from common.llm.checks import mismatch_alarm
 from common.llm.engines import engine_kind
-from common.llm.episodes import is_multi_turn, probe_environment, reply_encoder
-from common.llm.evaluation import evaluation
+from common.llm.episodes import probe_environment, reply_encoder
+from common.llm.evaluation import evaluate
 from common.llm.families import engine_problem, family_of
 from common.llm.kernels import (
     effective_determinism_env,
@@ -39,7 +41,7 @@ from common.llm.kernels import (
     python_kernels,
     reroute_composite_autograd,
 )
-from common.llm.layout import RemoteRollouts, split_world
+from common.llm.layout import RemoteRollouts, receive_weights, send_evaluation, send_samples, split_world
 from common.llm.lora import (
     adapter_serving_problem,
     base_fingerprint,
@@ -49,13 +51,13 @@ from common.llm.lora import (
     targets_problem,
 )
 from common.llm.models import final_parameter_hash
-from common.llm.rollouts import serve_rollouts, start_engine, sync_weights
+from common.llm.rollouts import LocalRollouts, sample_prompts, score_rows, start_engine, sync_weights
 from common.llm.routing import install_route_replay, replay_problem, replays_routes
-from common.llm.state import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, checkpoint_due, evaluation_due
-from common.preemption import catch_stop_signals, preempted, step_boundary
+from common.llm.run import MAY_CHANGE_ON_RESUME, LLMArgs, LLMRun, Rollout, checkpoint_due, evaluation_due
+from common.preemption import EXIT_PREEMPTED, catch_stop_signals, preempted, step_boundary
 from common.tracking import RunTracker, get_logger
 from tasks import EnvOptions, Example, TaskError, check_task_fits, make_task
-from tasks.tools import check_tools, sandbox_descriptions
+from tasks.tools import check_tools, environment_of, sandbox_descriptions
 
 
 def eos_token_ids(model_path: str, tokenizer: object) -> list[int]:
@@ -146,19 +148,19 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     if not all_ranks_ok(problem is None):
         fail(problem or "another rank cannot format the task's prompts; its message says why")
     eos_ids = eos_token_ids(args.model_name_or_path, tokenizer)
-    try:
-        multi_turn = is_multi_turn(task)
+    try:  # multi-turn or not, decided once here by one environment, the probe's
+        environment = environment_of(task)
     except Exception as error:  # a user's environment() that cannot start
-        multi_turn, problem = False, f"task {args.task!r}: its environment() failed: {error!r}"
+        environment, problem = None, f"task {args.task!r}: its environment() failed: {error!r}"
     if not all_ranks_ok(problem is None):
         fail(problem or "another rank cannot make the task's environment; its message says why")
-    if multi_turn:  # before any engine: the environment answers, its replies encode, sandboxed tools are isolated
+    if environment is not None:  # before any engine: the environment answers, its replies encode, tools are isolated
         problem = check_tools(task, args.allow_unisolated_tools)
         try:
             reply_encoder(tokenizer, templated, eos_ids)("0")
         except TaskError as error:
             problem = problem or f"task {args.task!r} with model {args.model_name_or_path!r}: {error}"
-        problem = problem or probe_environment(task, tokenizer, task.train[0], args.max_turns)
+        problem = problem or probe_environment(environment, tokenizer, task.train[0], args.max_turns)
         if not all_ranks_ok(problem is None):
             fail(problem or "another rank cannot run the task's environment or tools; its message says why")
     keep = [i for i, ids in enumerate(train_ids) if len(ids) <= args.max_prompt_length]
@@ -181,11 +183,70 @@ def prepare_run(args: LLMArgs) -> LLMRun:
     run = LLMRun(args, rank, world_size, device, determinism, task, tokenizer, [task.train[i] for i in keep],
                  [train_ids[i] for i in keep], task.test, [ids[-args.max_prompt_length:] for ids in test_ids],
                  eos_ids, templated, pad_id, resume_dir, resume_state, layout, family, lora_bases=lora_bases,
-                 prompt_limit=prompt_limit)
+                 prompt_limit=prompt_limit, multi_turn=environment is not None,
+                 event_names=environment.event_names if environment is not None else ())
     if layout is not None and layout.is_rollout:
         serve_rollouts(run)
         sys.exit(0)
     return run
+
+
+def serve_rollouts(run: LLMRun) -> None:
+    """A rollout rank's whole run in the split layout (the schedule in common/llm/layout.py): generate and score its
+    share of each step's prompts, send the rows to the trainers that train them, load each update's weights, and
+    evaluate when due. Its prompts and sample seeds are those of the colocated layout at its world size."""
+    args, layout = run.args, run.layout
+    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(run.world_size))  # vLLM's external_launcher reads these
+    engine = start_engine(run)
+    start_step = run.resume_state["step"] if run.resume_state else 0
+    idle = 0.0  # seconds in transfers since the last generation: the engine's wait for the trainers
+
+    def transfer(action: object, *arguments: object) -> None:
+        nonlocal idle
+        started = time.time()
+        action(*arguments)
+        idle += time.time() - started
+
+    def produce(step: int, version: int) -> None:
+        nonlocal idle
+        rows = score_rows(run, sample_prompts(engine, run, step))
+        samples = rows.samples
+        scores, correct = zip(*rows.judged)
+        timings = {"generate_s": rows.generate_s, "score_s": rows.score_s, "rollout_wait_s": idle,
+                   "longest_completion": float(max(len(s.completion_ids) for s in samples)),
+                   "completions": float(len(samples)), **{f"refill_{k}": v for k, v in rows.refill.items()}}
+        idle = 0.0
+        transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples,
+                 [float(score) for score in scores], [float(right) for right in correct], version, timings,
+                 rows.indices if args.dynamic_sampling_rounds else None)
+
+    def load_weights() -> None:  # the adapters alone, or whole weights, as the trainers send them
+        update = engine.update_adapter if getattr(engine, "serves_adapters", False) else engine.update_weights
+        transfer(lambda: update(receive_weights(layout, run.device)))
+
+    if start_step:
+        load_weights()
+    else:
+        metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
+        send_evaluation(layout, metrics if run.rank == 0 else None)
+        if layout.max_staleness:
+            produce(1, 0)
+    for step in range(start_step + 1, args.total_steps + 1):
+        if not layout.max_staleness:
+            produce(step, step - 1)
+        elif step < args.total_steps:
+            produce(step + 1, step - 1)
+        load_weights()
+        if evaluation_due(step, args.eval_every, args.total_steps):
+            metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
+            send_evaluation(layout, metrics if run.rank == 0 else None)
+        stopping = step_boundary(None, layout.world, engine.close) and step < args.total_steps  # as end_step's
+        if stopping or checkpoint_due(args, step):
+            step_boundary(None, layout.world, engine.close)  # the trainers wrote their checkpoint, or failed to
+        if stopping:
+            engine.close()
+            end(EXIT_PREEMPTED)
+    engine.close()
 
 
 def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
@@ -193,14 +254,16 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
                    ) -> tuple[object, RunTracker, int]:
     """This rank's rollout engine, the checkpoint resumed from (shards back into the models and optimizers of
     `trained`, the schedules fast-forwarded, this rank's RNG states), the run directory, and the engine's first
-    weights. Returns the engine, the tracker and the last completed step (0 for a fresh run)."""
+    weights. Returns the rollouts (rollouts.LocalRollouts, or layout.RemoteRollouts), the tracker and the last
+    completed step (0 for a fresh run)."""
     args = run.args
     start_step = run.resume_state["step"] if run.resume_state else 0
     if run.layout is None:
         engine = start_engine(run)
+        rollouts = LocalRollouts(engine, run)
     else:  # the rollout ranks' engines, behind the schedule; with S = 1 the checkpoint holds the batch in flight
-        engine = RemoteRollouts(run.layout, args.prompts_per_step * args.num_generations, args.total_steps,
-                                run.resume_state.get("in_flight") if start_step else None, serves_adapters(run))
+        rollouts = engine = RemoteRollouts(run, run.resume_state.get("in_flight") if start_step else None,
+                                           serves_adapters(run))
         engine_kernels_without_engine(run.device.type, args.rollout_engine)  # a colocated trainer's kernels
     seed_rngs(args.seed)  # starting vLLM reseeded python, numpy and torch with the engine's seed
     rerouted = reroute_composite_autograd(run.device.type)  # vLLM's kernels for linear / matmul (GPUs of SM 8.x)
@@ -210,7 +273,7 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
             for _ in range(start_step * updates_per_step):
                 scheduler.step()
         restore_rng_states(run.resume_state["rng"])
-    runner = getattr(engine, "model_runner", None)
+    runner = rollouts.model_runner
     tracker = RunTracker(args, run.rank, run.world_size,
                          {**run.determinism, **effective_determinism_env(), "vllm_model_runner": runner,
                           "kernel_overrides": python_kernels(run.device.type), "autograd_rerouted": rerouted,
@@ -244,16 +307,16 @@ def start_training(run: LLMRun, trained: dict[str, tuple[torch.nn.Module, torch.
     if record := run.task.environment_record():
         log.info(f"environment: {record}")
     if start_step:  # the same weight path into the engine as the uninterrupted run took
-        sync_weights(engine, trained["policy"][0], args.dtype)
+        sync_weights(rollouts, trained["policy"][0], args.dtype)
     else:
-        metrics = evaluation(engine, run)
+        metrics = rollouts.evaluate()
         tracker.log(0, metrics)
         tracker.write_json("eval_before.json", metrics)
         log.info(f"held-out greedy accuracy before training: {metrics['eval/accuracy']:.4f}")
-    return engine, tracker, start_step
+    return rollouts, tracker, start_step
 
 
-def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollout: Rollout,
+def end_step(run: LLMRun, rollouts: object, tracker: RunTracker, step: int, rollout: Rollout,
              metrics: dict[str, float], trained: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
              extra: dict | None = None) -> None:
     """After the update and the weight sync: stop on a non-finite loss (the last checkpoint is left as it was),
@@ -265,19 +328,15 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
     args = run.args
     metrics["perf/step_s"] = time.time() - rollout.started
     reduce_s = time.time() - rollout.timings.pop("synced_at")  # the statistics' collectives, waits included
-    if isinstance(engine, RemoteRollouts):  # the split layout's staleness and idle times
-        rollout.timings["trainer_wait_s"] = metrics["perf/trainer_wait_s"] = engine.wait_s
-        metrics["perf/rollout_wait_s"] = sum(t["rollout_wait_s"] for t in rollout.rollout_timings) / len(
-            rollout.rollout_timings)
-        metrics.update({"rollout/weight_version": rollout.version, "rollout/staleness": step - 1 - rollout.version})
+    metrics.update(rollouts.step_metrics(rollout, step))  # the split layout's staleness and idle times
     tracker.log_timings(step, {**rollout.timings, "train_s": metrics.get("perf/train_s", 0.0), "reduce_s": reduce_s,
                                "step_s": metrics["perf/step_s"]}, rollout.rollout_timings)
     if not all(math.isfinite(value) for name, value in metrics.items() if name.endswith("loss")):
-        engine.close()  # before the process group goes: its shutdown needs it
+        rollouts.close()  # before the process group goes: its shutdown needs it
         fail(f"non-finite loss at step {step}; the last checkpoint is left as it was")
     if alarm := mismatch_alarm(run, step, rollout, metrics):
         if args.strict_mismatch:
-            engine.close()
+            rollouts.close()
             fail(f"{alarm}; stopped by --strict-mismatch, the last checkpoint is left as it was")
         get_logger(run.rank).warning(f"{alarm} (warned once; --strict-mismatch stops the run instead)")
     metrics.update(rollout.rollout_metrics)
@@ -286,45 +345,45 @@ def end_step(run: LLMRun, engine: object, tracker: RunTracker, step: int, rollou
         dist.all_reduce(counts)  # the step's (token, MoE layer) pairs whose own experts were the engine's, of all
         metrics["routing/same_experts"] = float(counts[0] / counts[1]) if counts[1] else 1.0
     if evaluation_due(step, args.eval_every, args.total_steps):
-        metrics.update(evaluation(engine, run))
+        metrics.update(rollouts.evaluate())
     tracker.log(step, metrics)
     shown = {"score": "train/score", "acc": "train/accuracy", "eval_acc": "eval/accuracy",
              "tok/s": "perf/rollout_tokens_per_s"}
     tracker.progress(step, args.total_steps, {label: metrics[key] for label, key in shown.items() if key in metrics})
     group = run.layout.world if run.layout else None  # the split layout: the rollout ranks meet here too
-    stop = step_boundary(tracker.write_failure, group, engine.close)
+    stop = step_boundary(tracker.write_failure, group, rollouts.close)
     stopping = stop is not None and step < args.total_steps
     if stopping or checkpoint_due(args, step):
         started = time.time()
         try:
             saved, failure = save_training_checkpoint(tracker.run_dir / "checkpoints", step, trained, run.tokenizer,
-                                                      args, extra, getattr(engine, "in_flight", None),
+                                                      args, extra, rollouts.in_flight,
                                                       run.lora_bases), None
         except CheckpointWriteFailed as error:
             saved, failure = None, str(error)
-        step_boundary(failure, group, engine.close)  # every rank, the rollout ranks too, learns how it went
+        step_boundary(failure, group, rollouts.close)  # every rank, the rollout ranks too, learns how it went
         if run.rank == 0:  # a preemption's grace period must cover a step (perf/step_s) and this
             get_logger(0).info(f"checkpoint {saved.name} written in {time.time() - started:.1f} s")
     if stopping:
-        preempted(stop, step, saved, run.rank, tracker.write_json, lambda: shut_down(run, engine, tracker))
+        preempted(stop, step, saved, run.rank, tracker.write_json, lambda: shut_down(run, rollouts, tracker))
 
 
-def shut_down(run: LLMRun, engine: object, tracker: RunTracker) -> None:
+def shut_down(run: LLMRun, rollouts: object, tracker: RunTracker) -> None:
     """Logs closed, the engine stopped, the process group left."""
     tracker.close()
-    engine.close()
+    rollouts.close()
     if dist.is_initialized():  # vLLM's shutdown may already have taken the group down
         dist.destroy_process_group()
 
 
-def finish(run: LLMRun, engine: object, tracker: RunTracker, policy: torch.nn.Module,
+def finish(run: LLMRun, rollouts: object, tracker: RunTracker, policy: torch.nn.Module,
            metrics: dict[str, float]) -> None:
     """final.json (the last step's metrics and the sha256 of the final parameters), then an orderly shutdown (a
     failed write stops every trainer rank with its message)."""
     final_hash = final_parameter_hash(policy)
     tracker.write_json("final.json", {"step": run.args.total_steps, "parameter_sha256": final_hash, **metrics})
     tracker.close()
-    step_boundary(tracker.write_failure, before_exit=engine.close)
+    step_boundary(tracker.write_failure, before_exit=rollouts.close)
     get_logger(run.rank).info(f"done: held-out greedy accuracy {metrics.get('eval/accuracy', float('nan')):.4f}, "
                               f"parameters sha256 {final_hash[:16]}")
-    shut_down(run, engine, tracker)
+    shut_down(run, rollouts, tracker)

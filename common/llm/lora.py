@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.llm.state import LLMArgs, LLMRun
+from common.llm.run import LLMArgs, LLMRun
 
 # vLLM 0.32's LoRAConfig.max_lora_rank takes one of these; an adapter of rank r runs in the smallest one >= r.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -23,7 +23,7 @@ from common.llm.attention import (
 )
 from common.llm.lora import LoRASpec, apply_lora, lora_scales, merged_weights
 from common.llm.routing import recompute_context
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 from common.tracking import get_logger
 
 EXPORT_SHARD_BYTES = 2 * 2**30  # safetensors file size of an exported model
@@ -42,14 +42,12 @@ def load_model(path: str, args: LLMArgs, device: torch.device, trainable: bool =
     `attn_implementation`: attention.PADDED_ATTENTION (SDPA for padded rows, and packed ones on CPU),
     PACKED_ATTENTION for packed rows on GPUs, or a name of transformers'.
 
-    Memory at 7B (7.6B parameters): only rank 0 reads the checkpoint, into host memory in float32 (30 GB, once per
-    job); every rank builds the model on the meta device (no memory), shards it, allocates its own shard (30 GB / N
-    in float32) and receives its slice of each tensor by broadcast, one full tensor on the device at a time (the
-    embedding, 2.2 GB, is the largest). Loading every rank's full copy first would have taken 8 x 30 GB of host memory
-    per node and a transient 30 GB on every GPU. Buffers (rotary tables) come from rank 0's copy too, so all ranks and
-    today's plain `from_pretrained` agree bit for bit. With `args.gradient_checkpointing` a trained model's blocks
-    keep only their inputs for backward and recompute the rest. Exports store the checkpoint's own dtype
-    (`config.dtype`; `args.dtype` when the checkpoint names none).
+    Only rank 0 reads the checkpoint, into host memory in float32; every rank builds the model on the meta device (no
+    memory), shards it, allocates its own shard and receives its slice of each tensor by broadcast, one full tensor on
+    the device at a time (the memory at 7B: docs/scaling.md, "Memory and bandwidth"). Buffers (rotary tables) come
+    from rank 0's copy too, so all ranks and a plain `from_pretrained` agree bit for bit. With
+    `args.gradient_checkpointing` a trained model's blocks keep only their inputs for backward and recompute the rest.
+    Exports store the checkpoint's own dtype (`config.dtype`; `args.dtype` when the checkpoint names none).
 
     With `lora` (common/llm/lora.py) the targeted linear layers get adapters, which alone train (with the modules
     named in `keep_trainable`, e.g. a value head): rank 0 draws them on its full copy, so every rank receives the same
@@ -154,9 +152,8 @@ def shard_model(model: torch.nn.Module, args: LLMArgs, device: torch.device, tra
     Each parameter is split over `fsdp_shard_size(args.fsdp_shard_size)` ranks (default: one node's) and replicated
     over the other groups (HSDP): a block's all-gather and its gradient reduce-scatter stay within the node, and only
     the all-reduce of the reduced gradient shard (1 / shard size of the gradients) crosses nodes. The price: a rank
-    holds parameters / shard size, not / world size, however many nodes join. At 7.6B parameters with float32
-    masters, gradients and both Adam moments (16 B/param, 122 GB): 15.2 GB per GPU with shard size 8, at any N
-    (flat FSDP at N = 64 would hold 1.9 GB). With shard size = world size the mesh is today's flat one."""
+    holds parameters / shard size, not / world size, however many nodes join (at 7B: docs/scaling.md, "Memory and
+    bandwidth"). With shard size = world size the mesh is flat (plain FSDP)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     compute_dtype = getattr(torch, args.dtype)
@@ -212,14 +209,14 @@ def _broadcast_object(value: object) -> object:
     return box[0]
 
 
-def learning_rate_factor(update: int, warmup_steps: int, total_updates: int, schedule: str) -> float:
+def learning_rate_factor(update: int, warmup_steps: int, total_updates: int, lr_schedule: str) -> float:
     """Linear warm-up to 1, then constant, linear or cosine decay to 0 at `total_updates`."""
     if update < warmup_steps:
         return (update + 1) / warmup_steps
     progress = (update - warmup_steps) / max(1, total_updates - warmup_steps)
-    if schedule == "linear":
+    if lr_schedule == "linear":
         return max(0.0, 1 - progress)
-    if schedule == "cosine":
+    if lr_schedule == "cosine":
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return 1.0
 
@@ -239,10 +236,10 @@ def all_reduce_at_last(last: bool, *models: torch.nn.Module) -> None:
     """Call before each micro-batch's backward. With HSDP (--fsdp-shard-size below the world size), FSDP2 reduce-
     scatters a backward's gradients within the shard group (a node) and then all-reduces the shards across the
     replicas (the nodes), by default after every backward: with M micro-batches per optimizer step, M cross-node
-    all-reduces (at 7B and shard size 8, 30.5 GB of float32 gradients / 8 = 3.8 GB per rank each) where one, of
-    their sum, gives the same gradient. So the micro-batches before the last of an optimizer step only reduce-scatter
-    and accumulate, and the last all-reduces the sum (FSDP2's set_requires_all_reduce). The sum is formed in another
-    order than before, so HSDP's bits differ from the per-micro-batch all-reduce's; a flat mesh has no all-reduce."""
+    all-reduces (3.8 GB per rank each at 7B and shard size 8) where one, of their sum, gives the same gradient. So the
+    micro-batches before the last of an optimizer step only reduce-scatter and accumulate, and the last all-reduces
+    the sum (FSDP2's set_requires_all_reduce). The sum is formed in another order than by an all-reduce per
+    micro-batch, so the bits differ from that way's; a flat mesh has no all-reduce."""
     from torch.distributed.fsdp import FSDPModule
 
     for model in models:

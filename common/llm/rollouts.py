@@ -1,29 +1,28 @@
 """Rollouts, one step's samples on this rank: which prompts (`prompts_for_rank`, `rank_rows`: fixed per seed and step),
 sampled by the engine (`sample_prompts`, with DAPO's dynamic sampling), decoded and scored by the task (`score_rows`),
 assembled with every rank's lengths (`generate`); the judge's scores (`judge`); the policy's weights streamed into the
-engine after each update (`sync_weights`); and, in the split layout, the rollout ranks' whole loop (`serve_rollouts`).
+engine after each update (`sync_weights`). The trainers hold their rollouts as `LocalRollouts` (this rank's engine)
+or, in the split layout, `RemoteRollouts` (common/llm/layout.py: the rollout ranks', whose loop is
+`serve_rollouts` in common/llm/lifecycle.py); both have the same methods, so the step loop never asks which.
 """
 
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.distributed import (
     all_gather_rows,
     all_ranks_ok,
-    end,
     fail,
     keeping_trainer_nccl_env,
     reduce_stats,
     run_before_leaving,
 )
 from common.llm.engines import FakeEngine, make_engine, sample_seed
-from common.llm.episodes import episode_sums, is_multi_turn, run_episodes, score_samples, start_seed
+from common.llm.episodes import episode_sums, run_episodes, start_seed
 from common.llm.evaluation import evaluate
-from common.llm.layout import RemoteRollouts, receive_weights, send_evaluation, send_samples
 from common.llm.lora import (
     is_adapter,
     lora_layers,
@@ -35,10 +34,8 @@ from common.llm.lora import (
 )
 from common.llm.models import stream_weights
 from common.llm.routing import moe_layers, replays_routes
-from common.llm.scoring import RewardModel, decode_completion
-from common.llm.state import LLMRun, Rollout, Sample, checkpoint_due, evaluation_due
-from common.preemption import EXIT_PREEMPTED, step_boundary
-from tasks.tools import environment_of
+from common.llm.run import LLMRun, Rollout, Sample
+from common.llm.scoring import RewardModel, decode_completion, sample_scores
 
 
 def start_engine(run: LLMRun) -> object:
@@ -102,7 +99,10 @@ class SampledRows:
     judged: list[tuple[float, bool]] | None  # the task's (score, correct) of each row
     generate_s: float
     score_s: float
-    refill: dict[str, float]  # --dynamic-sampling-rounds: this rank's counts (rounds, groups sampled, varied, filler)
+    refill: dict[str, float] | None  # --dynamic-sampling-rounds: this rank's counts (rounds, groups sampled, varied,
+    # filler); None in the split layout, where they come with `rollout_timings`
+    version: int  # the weights that sampled them: after update `version` (0: the initial weights)
+    rollout_timings: list[dict[str, float]] = field(default_factory=list)  # split layout: each rollout rank's
 
 
 def sample_prompts(engine: object, run: LLMRun, step: int) -> SampledRows:
@@ -120,7 +120,7 @@ def sample_prompts(engine: object, run: LLMRun, step: int) -> SampledRows:
     def sampled(indices: list[int], seeds: list[int], starts: list[int]) -> SampledRows:
         samples = run_episodes(engine, run, [run.train_ids[i] for i in indices], [run.train[i] for i in indices],
                                seeds, args.max_completion_length, args.temperature, starts)
-        return SampledRows(indices, samples, None, None, time.time() - started, 0.0, {})
+        return SampledRows(indices, samples, None, None, time.time() - started, 0.0, {}, step - 1)
 
     own = rank_rows(run, step)
     if not args.dynamic_sampling_rounds:
@@ -139,59 +139,82 @@ def sample_prompts(engine: object, run: LLMRun, step: int) -> SampledRows:
     refill = {"rounds": rounds, "sampled_groups": len(kept) + len(dropped), "varied_groups": len(kept),
               "filler_groups": max(0, rows_per_rank // size - len(kept))}
     return SampledRows(*([row for group in chosen for row in group[c]] for c in range(4)), time.time() - started,
-                       0.0, refill)
+                       0.0, refill, step - 1)
 
 
 def score_rows(run: LLMRun, rows: SampledRows) -> SampledRows:
-    """Decode and score the rows by the task (a collective on every rank), unless that is done."""
-    if rows.judged is None:
+    """Decode the rows' completions and score them by the task (a collective on every rank), unless that is done (the
+    split layout's rows come scored)."""
+    if rows.texts is None or rows.judged is None:
         started = time.time()
         rows.texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in rows.samples]
-        rows.judged = score_samples(run.task, [run.train[i] for i in rows.indices], rows.samples, rows.texts)
+        if rows.judged is None:
+            rows.judged = sample_scores(run, [run.train[i] for i in rows.indices], rows.samples, rows.texts)
         rows.score_s += time.time() - started
     return rows
 
 
-def generate(engine: object, run: LLMRun, step: int) -> Rollout:
-    """This rank's rows of `step` (`sample_prompts`), then the engine sleeps (on CUDA this frees its memory for
-    training) and the task scores every completion. Split layout: the same rows, sampled and scored by the rollout
-    ranks."""
+class LocalRollouts:
+    """The trainer's rollouts from this rank's own engine (the colocated layout). The split layout's trainers hold
+    `RemoteRollouts` (common/llm/layout.py) with the same methods and attributes."""
+
+    in_flight = None  # no batch is sampled ahead of its step
+
+    def __init__(self, engine: object, run: LLMRun) -> None:
+        self.engine, self.run = engine, run
+        self.model_runner = getattr(engine, "model_runner", None)
+        self.serves_adapters = getattr(engine, "serves_adapters", False)  # the engine takes LoRA adapters alone
+
+    def rows(self, step: int) -> SampledRows:
+        """This rank's rows of `step` (`sample_prompts`), then the engine sleeps (on CUDA this frees its memory for
+        training)."""
+        rows = sample_prompts(self.engine, self.run, step)
+        self.engine.sleep()
+        return rows
+
+    def receive_next(self, step: int) -> None:
+        """Nothing arrives between steps: each step samples its own batch."""
+
+    def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(weights)
+
+    def update_adapter(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_adapter(weights)
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out evaluation of the engine's current weights (common/llm/evaluation.py)."""
+        return evaluate(self.engine, self.run, self.run.args.num_eval_prompts, self.run.args.max_completion_length)
+
+    def step_metrics(self, rollout: Rollout, step: int) -> dict[str, float]:
+        """No staleness, no idle times: the engine samples with the weights of the update just made."""
+        return {}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def generate(rollouts: object, run: LLMRun, step: int) -> Rollout:
+    """This rank's rows of `step` from `rollouts` (its engine's, or in the split layout the rollout ranks'), every
+    rank's lengths, and the task's score of every completion (the split layout's come scored)."""
     started = time.time()
-    version, rollout_timings, refill = step - 1, [], None
-    if isinstance(engine, RemoteRollouts):
-        payloads = engine.batch(step)
-        indices = [i for payload in payloads for i in payload["indices"]] if "indices" in payloads[0] else \
-            rank_rows(run, step)[0]  # the rows of the step's own prompts, unless dynamic sampling refilled them
-        samples = [sample for payload in payloads for sample in payload["samples"]]
-        version, rollout_timings = payloads[0]["version"], [payload["timings"] for payload in payloads]
-        seconds = max(timings["generate_s"] for timings in rollout_timings)
-    else:
-        rows = sample_prompts(engine, run, step)
-        indices, samples, seconds, refill = rows.indices, rows.samples, rows.generate_s, rows.refill
-        engine.sleep()
-    prompts = [s.prompt_ids if s.prompt_ids is not None else run.train_ids[i] for i, s in zip(indices, samples)]
-    examples = [run.train[i] for i in indices]
+    rows = rollouts.rows(step)
+    samples = rows.samples
+    prompts = [s.prompt_ids if s.prompt_ids is not None else run.train_ids[i] for i, s in zip(rows.indices, samples)]
+    examples = [run.train[i] for i in rows.indices]
     generated = time.time()
     # The step's first collective: every rank's lengths (for token balancing and the timings); this rank waits here
     # for the slowest generator
     mine = torch.tensor([[len(p), len(s.completion_ids)] for p, s in zip(prompts, samples)])
     lengths = all_gather_rows(mine)
     gathered = time.time()
-    if rollout_timings:  # scored on the rollout ranks (a checkpoint older than `correct`: scores of 1 are correct)
-        texts = [decode_completion(run.tokenizer, sample.completion_ids, run.eos_ids) for sample in samples]
-        judged = [pair for payload in payloads for pair in zip(payload["scores"], payload.get(
-            "correct", [score >= 1 for score in payload["scores"]]))]
-        score_s = time.time() - gathered
-    else:
-        rows = score_rows(run, rows)
-        texts, judged, score_s = rows.texts, rows.judged, rows.score_s
-    scores = torch.tensor([float(score) for score, _ in judged])
-    correct = torch.tensor([float(right) for _, right in judged])
-    timings = {"generate_s": generated - started, "wait_s": gathered - generated, "score_s": score_s,
+    rows = score_rows(run, rows)
+    scores = torch.tensor([float(score) for score, _ in rows.judged])
+    correct = torch.tensor([float(right) for _, right in rows.judged])
+    timings = {"generate_s": generated - started, "wait_s": gathered - generated, "score_s": rows.score_s,
                "longest_completion": float(mine[:, 1].max()), "completions": float(len(samples))}
-    return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], texts, scores, correct, lengths,
-                   started, seconds, timings, step, version, rollout_timings,
-                   rollout_metrics(run, samples, refill, rollout_timings))
+    return Rollout(prompts, examples, samples, [s.completion_ids for s in samples], rows.texts, scores, correct,
+                   lengths, started, rows.generate_s, timings, step, rows.version, rows.rollout_timings,
+                   rollout_metrics(run, samples, rows.refill, rows.rollout_timings))
 
 
 def rollout_metrics(run: LLMRun, samples: list[Sample], refill: dict[str, float] | None,
@@ -202,8 +225,8 @@ def rollout_metrics(run: LLMRun, samples: list[Sample], refill: dict[str, float]
     rank. Split layout: the refill counts come with each rollout rank's timings, all of which trainer 0 (the one that
     logs) receives."""
     args, metrics = run.args, {}
-    if is_multi_turn(run.task):
-        sums = reduce_stats(episode_sums(samples, environment_of(run.task).event_names))
+    if run.multi_turn:
+        sums = reduce_stats(episode_sums(samples, run.event_names))
         metrics = {name: value / (args.prompts_per_step * args.num_generations) for name, value in sums.items()}
     if args.dynamic_sampling_rounds:
         names = ("rounds", "sampled_groups", "varied_groups", "filler_groups")
@@ -229,7 +252,7 @@ def sync_weights(engine: object, policy: torch.nn.Module, dtype: str, rollout: R
     time: casts, collectives, slicing) and reloading (the engine's; split layout: the broadcast to the rollout ranks
     and their reload). Split layout with --max-staleness 1: the next batch is received first, in the schedule's
     order (common/llm/layout.py)."""
-    if rollout is not None and isinstance(engine, RemoteRollouts):
+    if rollout is not None:
         engine.receive_next(rollout.step)
     started, gathering = time.time(), 0.0
 
@@ -256,60 +279,3 @@ def sync_weights(engine: object, policy: torch.nn.Module, dtype: str, rollout: R
         rollout.timings.update(sync_gather_s=gathering, sync_reload_s=seconds - gathering, synced_at=time.time())
     return seconds
 
-
-def serve_rollouts(run: LLMRun) -> None:
-    """A rollout rank's whole run in the split layout (the schedule in common/llm/layout.py): generate and score its
-    share of each step's prompts, send the rows to the trainers that train them, load each update's weights, and
-    evaluate when due. Its prompts and sample seeds are those of the colocated layout at its world size."""
-    args, layout = run.args, run.layout
-    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(run.world_size))  # vLLM's external_launcher reads these
-    engine = start_engine(run)
-    start_step = run.resume_state["step"] if run.resume_state else 0
-    idle = 0.0  # seconds in transfers since the last generation: the engine's wait for the trainers
-
-    def transfer(action: object, *arguments: object) -> None:
-        nonlocal idle
-        started = time.time()
-        action(*arguments)
-        idle += time.time() - started
-
-    def produce(step: int, version: int) -> None:
-        nonlocal idle
-        rows = score_rows(run, sample_prompts(engine, run, step))
-        samples = rows.samples
-        scores, correct = zip(*rows.judged)
-        timings = {"generate_s": rows.generate_s, "score_s": rows.score_s, "rollout_wait_s": idle,
-                   "longest_completion": float(max(len(s.completion_ids) for s in samples)),
-                   "completions": float(len(samples)), **{f"refill_{k}": v for k, v in rows.refill.items()}}
-        idle = 0.0
-        transfer(send_samples, layout, args.prompts_per_step * args.num_generations, samples,
-                 [float(score) for score in scores], [float(right) for right in correct], version, timings,
-                 rows.indices if args.dynamic_sampling_rounds else None)
-
-    def load_weights() -> None:  # the adapters alone, or whole weights, as the trainers send them
-        update = engine.update_adapter if getattr(engine, "serves_adapters", False) else engine.update_weights
-        transfer(lambda: update(receive_weights(layout, run.device)))
-
-    if start_step:
-        load_weights()
-    else:
-        metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
-        send_evaluation(layout, metrics if run.rank == 0 else None)
-        if layout.max_staleness:
-            produce(1, 0)
-    for step in range(start_step + 1, args.total_steps + 1):
-        if not layout.max_staleness:
-            produce(step, step - 1)
-        elif step < args.total_steps:
-            produce(step + 1, step - 1)
-        load_weights()
-        if evaluation_due(step, args.eval_every, args.total_steps):
-            metrics = evaluate(engine, run, args.num_eval_prompts, args.max_completion_length)
-            send_evaluation(layout, metrics if run.rank == 0 else None)
-        stopping = step_boundary(None, layout.world, engine.close) and step < args.total_steps  # as end_step's
-        if stopping or checkpoint_due(args, step):
-            step_boundary(None, layout.world, engine.close)  # the trainers wrote their checkpoint, or failed to
-        if stopping:
-            engine.close()
-            end(EXIT_PREEMPTED)
-    engine.close()

@@ -27,7 +27,7 @@ from functools import cache, partial
 import torch
 
 from common.llm.families import Family
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs
 
 NO_ROUTE = -1
 

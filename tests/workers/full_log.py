@@ -1,6 +1,6 @@
-"""Run a script whose log writes find the disk full after a given step: `python tests/full_log.py STEP SCRIPT ARGS...`
-(under torchrun too). A fault injected at the write, where a small file system cannot be filled at the right moment: a
-line of a few hundred bytes still fits in the last page a file already holds."""
+"""Run a script whose log writes find the disk full after a given step: `python tests/workers/full_log.py STEP SCRIPT
+ARGS...` (under torchrun too). A fault injected at the write, where a small file system cannot be filled at the right
+moment: a line of a few hundred bytes still fits in the last page a file already holds."""
 
 import errno
 import json

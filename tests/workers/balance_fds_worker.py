@@ -1,6 +1,6 @@
 """Run under torchrun (8 gloo ranks): 200 steps of token balancing over rollouts of random lengths, the ranks taken
 for nodes of argv[2] each (as torchrun's --nproc_per_node would make them); writes, per rank, the peers it exchanged
-rows with and its open sockets before and after, to argv[1]/rank_R.json, for tests/test_scale.py."""
+rows with and its open sockets before and after, to argv[1]/rank_R.json, for tests/test_balancing.py."""
 
 import json
 import os
@@ -15,7 +15,7 @@ import torch
 from common import distributed
 from common.distributed import all_gather_rows, init_distributed
 from common.llm import balancing
-from common.llm.state import Rollout, Sample
+from common.llm.run import Rollout, Sample
 
 STEPS, ROWS = 200, 8
 

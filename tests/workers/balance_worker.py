@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks, gloo): hand-skewed rollouts (rank 0 long completions, rank 1 short ones, each row with
 MoE routes as --routing-replay gives them), GRPO's loss and gradient over them as the script computes them, without
-and with `balance_tokens`; writes a JSON summary to argv[1] for tests/test_scale.py."""
+and with `balance_tokens`; writes a JSON summary to argv[1] for tests/test_balancing.py."""
 
 import json
 import random
@@ -16,8 +16,8 @@ from common.distributed import all_gather_rows, init_distributed
 from common.llm.balancing import balance_tokens
 from common.llm.batching import micro_batches, split
 from common.llm.models import load_model
-from common.llm.state import LLMRun, Rollout, Sample
-from grpo_llm import aggregate_loss, grpo_token_loss, truncated_is_weight
+from common.llm.run import LLMRun, Rollout, Sample
+from grpo_llm import aggregate_loss, grpo_token_loss, truncated_importance_weight
 
 TINY = "assets/tiny-adder"
 GROUPS, G, MICRO_BATCH_SIZE = 4, 2, 4
@@ -43,14 +43,14 @@ def skewed_rollout(rank: int, world_size: int) -> tuple[Rollout, torch.Tensor]:
 
 
 def loss_and_gradient(policy: torch.nn.Module, run: LLMRun, rollout: Rollout, advantages: torch.Tensor,
-                      pieces: list, share_prompts: bool, num_tokens: int, num_sequences: int) -> dict:
+                      micro_batch_rows: list, share_prompts: bool, num_tokens: int, num_sequences: int) -> dict:
     from common.llm.batching import token_logprobs
 
     total = torch.zeros(())
-    for batch, rows in zip(micro_batches(rollout, pieces, run, share_prompts), pieces):
+    for batch, rows in zip(micro_batches(rollout, micro_batch_rows, run, share_prompts), micro_batch_rows):
         logprobs = token_logprobs(policy, batch, 1.0)
         old = batch.rollout_logprobs - 0.1
-        per_token = grpo_token_loss(logprobs - old, truncated_is_weight(old, batch.rollout_logprobs, 2.0),
+        per_token = grpo_token_loss(logprobs - old, truncated_importance_weight(old, batch.rollout_logprobs, 2.0),
                                     logprobs, None, advantages[list(rows), None], 0.2, 0.28, 0.0)
         loss = aggregate_loss(per_token, batch.mask, "dapo", num_sequences, num_tokens, 40)
         (loss * dist.get_world_size()).backward()
@@ -74,8 +74,8 @@ def main() -> None:
         counts = torch.tensor([sum(map(len, rollout.completions)), len(rollout.samples)])
         dist.all_reduce(counts)
         num_tokens, num_sequences = counts.tolist()
-        pieces = split(range(len(rollout.samples)), MICRO_BATCH_SIZE)
-        results = {"unbalanced": loss_and_gradient(policy, run, rollout, advantages, pieces, share_prompts,
+        micro_batch_rows = split(range(len(rollout.samples)), MICRO_BATCH_SIZE)
+        results = {"unbalanced": loss_and_gradient(policy, run, rollout, advantages, micro_batch_rows, share_prompts,
                                                    num_tokens, num_sequences)}
         for attempt in ("balanced", "balanced_again"):
             moved, moved_advantages, moved_pieces = balance_tokens(rollout, run, advantages[:, None],

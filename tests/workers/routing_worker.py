@@ -10,7 +10,7 @@ JSON, per layout and mode:
 - `same_logprobs` (per layout): the logprobs with replay equal those without, bit for bit;
 and the routes' shape, and `last_unrouted`: each sample's last token (which no engine forward sees) has no route.
 
-    python tests/routing_worker.py OUT.json MODEL_DIR
+    python tests/workers/routing_worker.py OUT.json MODEL_DIR
 """
 
 import json
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from transformers.utils import logging as transformers_logging
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402

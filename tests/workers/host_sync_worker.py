@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-ROOT = str(Path(__file__).resolve().parent.parent)
+ROOT = str(Path(__file__).resolve().parents[2])
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
               torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero,
               torch.Tensor.cpu, torch.tensor, torch.as_tensor}

@@ -10,14 +10,14 @@ are sampled after each of these syncs, in this order:
 
 Writes each sync's samples (tokens and logprobs) and the `transformers` scores as JSON.
 
-    python tests/hybrid_sync_worker.py MODEL OTHER_MODEL OUT.json
+    python tests/workers/hybrid_sync_worker.py MODEL OTHER_MODEL OUT.json
 """
 
 import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 PROMPTS = [[3, 4, 5, 13, 6, 7, 14], [8, 9, 13, 10, 3, 14], [3, 4, 13, 5, 14], [8, 9, 10, 13, 11, 12, 3, 4, 14]] * 2

@@ -10,8 +10,8 @@ it. Rank 0 writes what it found as JSON:
   bfloat16 in one FSDP unit, and how many tensors AdamW holds (the adapters alone); `bf16_step`: the bfloat16 model
   took a step.
 
-    python tests/lora_worker.py SUMMARY.json
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/lora_worker.py SUMMARY.json
+    python tests/workers/lora_worker.py SUMMARY.json
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/lora_worker.py SUMMARY.json
 """
 
 import json
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers.utils import logging as transformers_logging
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402

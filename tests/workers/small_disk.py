@@ -2,7 +2,7 @@
 tests. Run inside a new user and mount namespace (`unshare --user --map-root-user --mount`), where an unprivileged
 process may mount a tmpfs that no other process sees:
 
-    python tests/small_disk.py MOUNT SIZE_MIB TRIGGER LEAVE_KIB COPY_TO -- COMMAND...
+    python tests/workers/small_disk.py MOUNT SIZE_MIB TRIGGER LEAVE_KIB COPY_TO -- COMMAND...
 
 mounts a tmpfs of SIZE_MIB at MOUNT, starts COMMAND, waits until a path matching the glob TRIGGER (relative to MOUNT)
 exists, then fills the file system until at most LEAVE_KIB are free, waits for COMMAND, copies what MOUNT holds (the

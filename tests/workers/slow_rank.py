@@ -1,8 +1,8 @@
 """Run an LLM script with one rank made slow on purpose, for the split layout's test that timing never changes the
-bits: `python tests/slow_rank.py SCRIPT ARGS...` under torchrun, with SLOW_RANK (a global rank), SLOW_GENERATE_S (a
-sleep before each generation on that rank), SLOW_UPDATE_S (a sleep before each optimizer step on that rank) and
-SLOW_SAVE_S (a sleep after that rank wrote its part of each checkpoint, before the checkpoint is published: a kill
-then lands mid-save). Any script, DQN's too."""
+bits: `python tests/workers/slow_rank.py SCRIPT ARGS...` under torchrun, with SLOW_RANK (a global rank), SLOW_GENERATE_S
+(a sleep before each generation on that rank), SLOW_UPDATE_S (a sleep before each optimizer step on that rank) and
+SLOW_SAVE_S (a sleep after that rank wrote its part of each checkpoint, before the checkpoint is published: a kill then
+lands mid-save). Any script, DQN's too."""
 
 import os
 import runpy

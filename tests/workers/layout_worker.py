@@ -4,7 +4,7 @@ trainers stream the weights in bfloat16 through send_weights with a small bucket
 (receive_weights) and compares them with its own unsharded copy, and the samples and evaluation cross over. The
 rollout rank writes what it found as JSON.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 3 tests/layout_worker.py SUMMARY.json
+    python -m torch.distributed.run --standalone --nproc_per_node 3 tests/workers/layout_worker.py SUMMARY.json
 """
 
 import json
@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402
 from common.llm import layout, models  # noqa: E402
-from common.llm.state import Sample  # noqa: E402
+from common.llm.run import Sample  # noqa: E402
 
 TINY = str(ROOT / "assets" / "tiny-adder")
 SMALL_BUCKET_BYTES = 64 * 2**10  # the tiny model is 1.7 MB in bfloat16: many buckets, some of one tensor

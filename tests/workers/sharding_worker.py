@@ -2,7 +2,8 @@
 flat FSDP2 (shard size 4) and with HSDP (2 replicas x shard size 2, twice), the same forward/backward on each, and
 stream_weights / export_pretrained from both, counting the all-gathers. Rank 0 writes what it found as JSON.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 4 tests/sharding_worker.py SUMMARY.json EXPORT_DIR
+    python -m torch.distributed.run --standalone --nproc_per_node 4 tests/workers/sharding_worker.py \
+        SUMMARY.json EXPORT_DIR
 """
 
 import json
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers.utils import logging as transformers_logging
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.distributed import init_distributed  # noqa: E402

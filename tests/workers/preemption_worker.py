@@ -3,7 +3,8 @@ stops both; a checkpoint whose part fails on rank 1 only fails on both, its part
 write on rank 0 stops both with rank 0's message (exit 4). Each rank writes what it saw to SUMMARIES/rank{N}.json
 before that end (a file each: two ranks printing to torchrun's one pipe at once can interleave their lines).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/preemption_worker.py CHECKPOINTS SUMMARIES
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/preemption_worker.py \
+        CHECKPOINTS SUMMARIES
 """
 
 import errno
