@@ -41,7 +41,7 @@ def gaps(model: Path, dtype: str, engine: str, share_prompts: bool, out: Path) -
     command = [sys.executable, "grpo_llm.py", *RUN, "--model-name-or-path", str(model), "--dtype", dtype,
                "--rollout-engine", engine, "--share-prompts" if share_prompts else "--no-share-prompts",
                "--run-root", str(out)]
-    with open(out.with_suffix(".log"), "w") as log:
+    with open(out.parent / f"{out.name}.log", "w") as log:  # not with_suffix: "qwen2.5_packed" has a dot
         subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     (run,) = [path for path in out.iterdir() if path.is_dir()]
