@@ -28,14 +28,6 @@ RUN = ["--task", "tests/length_penalty_task.py:LengthPenaltyTask", "--prompts-pe
        "--learning-rate", "1e-3", "--warmup-steps", "1", "--total-steps", "3", "--save-every", "0"]
 
 
-def engine_for(model: Path, dtype: str) -> str:
-    from transformers import AutoConfig
-
-    from common.llm.families import engine_problem, family_of
-
-    return "hf" if engine_problem(family_of(AutoConfig.from_pretrained(model)), "vllm", dtype, "cpu") else "vllm"
-
-
 def gaps(model: Path, dtype: str, engine: str, share_prompts: bool, out: Path) -> list[tuple[float, float]]:
     """(mean, max) |delta logprob| per step of one run."""
     command = [sys.executable, "grpo_llm.py", *RUN, "--model-name-or-path", str(model), "--dtype", dtype,
@@ -59,13 +51,14 @@ def main() -> None:
     options = parser.parse_args()
     from transformers import AutoConfig
 
-    from common.llm.families import family_of
+    from common.llm.families import engine_problem, family_of
 
     rows = ["| family | engine | rows | step 1, mean (max) | step 2 | step 3 |", "|---|---|---|---|---|---|"]
     for family in options.families:
         model = build_family(family, options.out / "zoo" / family)
-        engine = engine_for(model, options.dtype)
-        packs = family_of(AutoConfig.from_pretrained(model)).packing_problem is None
+        family_kind = family_of(AutoConfig.from_pretrained(model))
+        engine = "hf" if engine_problem(family_kind, "vllm", options.dtype, "cpu") else "vllm"
+        packs = family_kind.packing_problem is None
         for share_prompts in ((True, False) if options.padded_too else (True,)) if packs else (False,):
             layout = "packed" if share_prompts else "padded" if packs else "padded (cannot pack)"
             steps = gaps(model, options.dtype, engine, share_prompts, options.out / f"{family}_{layout.split()[0]}")

@@ -392,7 +392,8 @@ def mismatch_check(flags: list[str], out: Path, nproc: int, timeout: int) -> tup
     gaps = [f"step {record['step']}: {record['mismatch/logprob_abs_diff_mean']:.2e} mean, "
             f"{record['mismatch/logprob_abs_diff_max']:.2e} max" for record in records
             if "mismatch/logprob_abs_diff_mean" in record]
-    return failed is None, "; ".join(gaps) + (f" ({failed})" if failed else "") if gaps else failed or "no steps"
+    said = "; ".join([*gaps, *([failed] if failed else [])]) or "no steps"
+    return failed is None, said
 
 
 def verdicts(results: dict[str, tuple[str | None, str | None]], memory: tuple[bool | None, str]
