@@ -30,28 +30,32 @@ SMALL_GRPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-bat
               "--keep-last", "0"]
 
 
-# The scripts the warm launcher runs (tests/warm_launcher.py): those that import vLLM, which the launcher has imported.
+# What the warm launcher runs (tests/warm_launcher.py): the LLM scripts and the workers, which import torch,
+# transformers or vLLM, all of which the launcher has imported.
 WARM_SCRIPTS = ("grpo_llm.py", "ppo_llm.py", "dpo_online.py", "distill_llm.py")
 _warm: list[WarmLauncher] = []
 
 
-def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600, launcher: str = "auto"
-               ) -> subprocess.CompletedProcess:
-    """`python script args` (nproc=0) or `torchrun --nproc_per_node nproc script args`, from the repo root. With
-    launcher "auto", an LLM script that samples with vLLM is started by the warm launcher (the same ranks, environment
-    and exit status, without paying the imports again); "torchrun" (or "python") for what only a real launcher shows:
-    its command line in the manifest, signals to it."""
+def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600, launcher: str = "auto",
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python script args` (nproc=0) or `torchrun --nproc_per_node nproc script args`, from the repo root, with
+    `env` (default script_env()). With launcher "auto", an LLM script that samples with vLLM or a worker of
+    tests/workers/ is started by the warm launcher (the same ranks, environment and exit status, without paying the
+    imports again), as any script is with "warm"; "torchrun" (or "python") for what only a real launcher shows: its
+    command line in the manifest, signals to it."""
+    env = env or script_env()
     engine = args[args.index("--rollout-engine") + 1] if "--rollout-engine" in args else "auto"
-    if launcher == "auto" and script in WARM_SCRIPTS and engine in ("auto", "vllm"):
+    llm_script = script in WARM_SCRIPTS and engine in ("auto", "vllm")
+    if launcher == "warm" or launcher == "auto" and (llm_script or script.startswith("tests/workers/")):
         if not _warm:
             _warm.append(WarmLauncher(ROOT, script_env(), Path(tempfile.mkdtemp(prefix="warm-launcher-"))))
             atexit.register(_warm[0].close)
-        return _warm[0].run(script, args, nproc, timeout, script_env())
+        return _warm[0].run(script, args, nproc, timeout, env)
     command = [sys.executable]
     if nproc:
         command += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     return subprocess.run([*command, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=script_env())
+                          env=env)
 
 
 def script_env() -> dict[str, str]:
@@ -200,16 +204,35 @@ def preempt_at_random(command: list[str], output: Path, marker: str, window_s: f
     return status, output.read_text(), delay
 
 
-def resume_line(text: str) -> list[str]:
-    """The command of the one `preempted by ... resume with: COMMAND` line in a run's output, as an argv list that
-    runs here (torchrun and python as this interpreter's)."""
+def resume_words(text: str) -> list[str]:
+    """The command of the one `preempted by ... resume with: COMMAND` line in a run's output, split into words."""
     import shlex
 
     lines = [line for line in text.splitlines() if line.startswith("preempted by ")]
     assert len(lines) == 1, text[-4000:]
-    words = shlex.split(lines[0].split("resume with: ", 1)[1])
+    return shlex.split(lines[0].split("resume with: ", 1)[1])
+
+
+def resume_line(text: str) -> list[str]:
+    """The printed resume command as an argv list that runs here (torchrun and python as this interpreter's)."""
+    words = resume_words(text)
     launcher = [sys.executable, "-m", "torch.distributed.run"] if words[0] == "torchrun" else [sys.executable]
     return [*launcher, *words[1:]]
+
+
+def run_resume_line(text: str, wrapper: str | None = None, env: dict[str, str] | None = None
+                    ) -> subprocess.CompletedProcess:
+    """Run the printed `torchrun ... SCRIPT ARGS` resume command through run_script (the warm launcher for an LLM
+    script): the script and its arguments as printed, on the ranks torchrun's --nproc_per_node names; `wrapper`, a
+    worker taking the script and its arguments (tests/workers/slow_rank.py), runs in its place."""
+    words = resume_words(text)
+    script_at = next(i for i, word in enumerate(words) if word.endswith(".py"))
+    launcher = words[:script_at]
+    assert launcher[0] == "torchrun" and "--nproc_per_node" in launcher, words
+    nproc = int(launcher[launcher.index("--nproc_per_node") + 1])
+    if wrapper is None:
+        return run_script(words[script_at], words[script_at + 1:], nproc, env=env)
+    return run_script(wrapper, words[script_at:], nproc, env=env)
 
 
 # What starts a process in a test's code: this module's launchers, subprocess, multiprocessing, an OpenEnv server.

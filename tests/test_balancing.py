@@ -6,14 +6,12 @@ The fake engine's balanced run and its timings: tests/test_scale.py; the simulat
 tests/test_weak_scaling_sim.py."""
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, check, script_env
+from conftest import check, run_script
 
 from common.llm.balancing import balance_groups, balance_tokens, balanced_partition, contiguous_pieces
 from common.llm.run import Rollout, Sample
@@ -87,9 +85,7 @@ def _done() -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def balance_summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("balance") / "summary.json"
-    check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "tests/workers/balance_worker.py", str(out)], cwd=ROOT, env=script_env(), capture_output=True,
-                         text=True, timeout=300))
+    check(run_script("tests/workers/balance_worker.py", [str(out)], nproc=2, timeout=300))
     return json.loads(out.read_text())
 
 
@@ -121,9 +117,7 @@ def test_token_balancing_keeps_its_partners_within_its_node(tmp_path):
     for node in (4, 8):
         out = tmp_path / f"node_{node}"
         out.mkdir()
-        check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
-                              "tests/workers/balance_fds_worker.py", str(out), str(node)], cwd=ROOT, env=script_env(),
-                             capture_output=True, text=True, timeout=600))
+        check(run_script("tests/workers/balance_fds_worker.py", [str(out), str(node)], nproc=8))
         touched[node] = {rank: json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(8)}
     for rank, result in touched[4].items():
         own_node = set(range(rank - rank % 4, rank - rank % 4 + 4)) - {rank}

@@ -120,15 +120,14 @@ def test_tied_pairs_contribute_no_gradient(loss_type: str):
 @pytest.fixture(scope="module")
 def dpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_root = tmp_path_factory.mktemp("dpo_reference")
-    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--run-root", str(run_root)], nproc=2,
-                     launcher="torchrun"))  # its manifest records the real launcher
+    check(run_script("dpo_online.py", [*SMALL_DPO, "--seed", "1", "--run-root", str(run_root)], nproc=2))
     return only_run_dir(run_root)
 
 
 def test_end_to_end_torchrun_vllm(dpo_reference_run: Path):
     manifest = json.loads((dpo_reference_run / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["versions"]["vllm"] == "0.32.0"
-    assert manifest["command"].startswith("torchrun --standalone --nproc_per_node 2 dpo_online.py")
+    assert " --nproc_per_node 2 dpo_online.py --prompts-per-step" in manifest["command"]  # the launcher: GRPO's test
     metrics = read_metrics(dpo_reference_run)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
     for key in ("train/score", "train/chosen_score", "train/rejected_score", "train/tied_fraction",

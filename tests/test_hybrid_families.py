@@ -181,15 +181,12 @@ def test_qwen3_next_weight_sync_reaches_vllm_cpu(zoo, tmp_path: Path):
     seed's model, the engine samples that model: its logprobs are that model's within bfloat16 rounding, far from the
     first model's."""
     import json
-    import subprocess
-    import sys
 
-    from conftest import ROOT, script_env
+    from conftest import check, run_script
 
     other = build_family("qwen3_next", tmp_path / "other", seed=1)
     out = tmp_path / "samples.json"
-    subprocess.run([sys.executable, "tests/workers/hybrid_sync_worker.py", str(zoo("qwen3_next")), str(other),
-                    str(out)], cwd=ROOT, env=script_env(), check=True, capture_output=True, timeout=600)
+    check(run_script("tests/workers/hybrid_sync_worker.py", [str(zoo("qwen3_next")), str(other), str(out)]))
     result = json.loads(out.read_text())
     samples = result["samples"]
 

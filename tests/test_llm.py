@@ -442,16 +442,12 @@ def test_a_sample_does_not_depend_on_the_prefix_cache(tmp_path):
     the same tokens and logprobs on a cold cache, a warm one (served from the cache), beside requests sharing its
     first KV block, after its blocks were evicted, and without the cache at all (tests/workers/prefix_cache_worker.py).
     On a GPU the attention kernels differ: the same check there is still to run (issue 39)."""
-    import subprocess
-    import sys
-
-    from conftest import script_env
+    from conftest import check, run_script
 
     results = {}
     for mode in ("on", "off"):
         out = tmp_path / f"{mode}.json"
-        subprocess.run([sys.executable, "tests/workers/prefix_cache_worker.py", str(out), mode], cwd=ROOT,
-                       env=script_env(), check=True, capture_output=True, timeout=300)
+        check(run_script("tests/workers/prefix_cache_worker.py", [str(out), mode], timeout=300))
         results[mode] = json.loads(out.read_text())
     assert sum(results["on"]["prefix_cache_hits"]) > 0  # the cache did serve P's first block
     reference = results["on"]["samples"]["cold"]

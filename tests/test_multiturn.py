@@ -104,10 +104,9 @@ def test_python_tool_episodes_same_bits_serial_and_concurrent_stopped_and_resume
     run stopped by SIGTERM at a random moment and resumed from its printed line, give the same bytes (the concurrent
     run computes every step, some before the stop and the rest after it, in two processes)."""
     import statistics
-    import subprocess
     import sys
 
-    from conftest import ROOT, preempt_at_random, resume_line, script_env
+    from conftest import preempt_at_random, run_resume_line
 
     check(run_script("grpo_llm.py", [*PYTHON_TOOL, "--env-workers", "1", "--run-root", str(tmp_path / "serial")],
                      nproc=2))
@@ -121,7 +120,7 @@ def test_python_tool_episodes_same_bits_serial_and_concurrent_stopped_and_resume
                *PYTHON_TOOL, "--env-workers", "4", "--run-root", str(tmp_path / "stopped")]
     status, text, delay = preempt_at_random(command, tmp_path / "output.txt", "step 1/3", step_s)
     assert status != 0 and "preempted by SIGTERM" in text, f"SIGTERM {delay:.2f} s after step 1\n{text[-3000:]}"
-    check(subprocess.run(resume_line(text), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600))
+    check(run_resume_line(text))
     stopped = only_run_dir(tmp_path / "stopped")
     assert (stopped / "metrics.jsonl").read_bytes() == (serial / "metrics.jsonl").read_bytes()
     assert final_hash(stopped) == final_hash(serial)

@@ -24,7 +24,7 @@ from conftest import (
     only_run_dir,
     preempt_at_random,
     read_metrics,
-    resume_line,
+    run_resume_line,
     run_script,
     script_env,
 )
@@ -150,9 +150,7 @@ def test_grpo_stopped_by_sigterm_to_torchrun_at_a_random_moment_resumes_bit_for_
     assert checkpoint_damage(checkpoint) is None and read_metrics(run_dir)[-1]["step"] == stopped["step"]
     assert f"preempted by SIGTERM after step {stopped['step']}, checkpoint written; resume with: " \
            f"{stopped['resume_command']}" in text
-    resumed = subprocess.run(resume_line(text), cwd=ROOT, env=script_env(), capture_output=True, text=True,
-                             timeout=600)
-    check(resumed)
+    check(run_resume_line(text))
     assert not (run_dir / "stopped.json").exists()
     assert (run_dir / "metrics.jsonl").read_bytes() == (grpo_reference_run / "metrics.jsonl").read_bytes(), context
     assert json.loads((run_dir / "final.json").read_text())["parameter_sha256"] == \
@@ -226,8 +224,7 @@ def test_a_log_line_on_a_full_disk_stops_every_rank_with_one_message(script: str
                                                                      tmp_path: Path):
     """The disk is full for every log line after the first checkpoint's step (a fault injected at the write,
     tests/workers/full_log.py): the ranks stop at the step's end, the failed file named, before the next checkpoint."""
-    result = subprocess.run([*TORCHRUN, "tests/workers/full_log.py", str(after), script, *args, "--run-root",
-                             str(tmp_path)], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    result = run_script("tests/workers/full_log.py", [str(after), script, *args, "--run-root", str(tmp_path)], nproc=2)
     run_dir = only_run_dir(tmp_path)
     assert_every_rank_stopped_for_a_full_disk(
         result, run_dir, r"cannot write \S+\.jsonl \(OSError: \[Errno 28\] No space left on device\)",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_GRPO, check, only_run_dir, read_metrics, script_env
+from conftest import ROOT, SMALL_GRPO, check, only_run_dir, read_metrics, run_script, script_env
 from safetensors.torch import save_file
 
 from tools import doctor, run_diff
@@ -249,10 +249,8 @@ def test_another_seed_fails_doctors_promise_and_run_diff_names_where(doctor_dqn,
     run_diff also finds the seed in the manifests and the first differing tensor of the last checkpoint."""
     _, out = doctor_dqn
     first = only_run_dir(out / "dqn" / "first")
-    result = subprocess.run([sys.executable, "dqn_atari.py", *doctor.SCRIPTS["dqn"].args, "--seed", "2",
-                             "--run-root", str(tmp_path)], cwd=ROOT, env=script_env(), capture_output=True, text=True,
-                            timeout=600)
-    check(result)
+    check(run_script("dqn_atari.py", [*doctor.SCRIPTS["dqn"].args, "--seed", "2", "--run-root", str(tmp_path)],
+                     launcher="warm"))
     other = only_run_dir(tmp_path)
     why = doctor.compare_runs(first, other)
     lines, failed = doctor.verdicts({"dqn": (why, None)}, (True, "CPU step +1.0%"))

@@ -4,12 +4,11 @@ one-step-off runs that give the same bits with a slow rank and after a resume.""
 
 import json
 import statistics
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, check, only_run_dir, preempt_at_random, read_metrics, resume_line, run_script, script_env
+from conftest import check, only_run_dir, preempt_at_random, read_metrics, run_resume_line, run_script, script_env
 
 import grpo_llm
 from common.llm import layout
@@ -95,16 +94,11 @@ def test_one_plus_one_split_equals_the_single_process_run(script: str, tmp_path)
     assert all("perf/trainer_wait_s" in p and "perf/rollout_wait_s" in p for p in perf if p["step"])
 
 
-def one_step_off(run_root, extra: list[str], slow: bool = False) -> list[str]:
-    """One-step-off GRPO on multi-turn episodes (tests/second_look_task.py: two model turns around a reply), with
-    dynamic sampling; through tests/workers/slow_rank.py when `slow`."""
-    args = [*SHORT, "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--rollout-ranks", "1",
-            "--max-staleness", "1", "--task", "tests/second_look_task.py:SecondLookTask", "--max-completion-length",
-            "16", "--dynamic-sampling-rounds", "2", "--run-root", str(run_root), *extra]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "--shutdown-timeout", "300"]
-    script = [str(ROOT / "tests" / "workers" / "slow_rank.py"), "grpo_llm.py"] if slow else ["grpo_llm.py"]
-    return [*launcher, *script, *args]
+# One-step-off GRPO on multi-turn episodes (tests/second_look_task.py: two model turns around a reply), with dynamic
+# sampling.
+ONE_STEP_OFF = [*SHORT, "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--rollout-ranks", "1",
+                "--max-staleness", "1", "--task", "tests/second_look_task.py:SecondLookTask", "--max-completion-length",
+                "16", "--dynamic-sampling-rounds", "2"]
 
 
 def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
@@ -113,8 +107,7 @@ def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
     by SIGTERM to torchrun at a random moment of steps 1-3; then resumed by the line it printed, with the trainer
     sleeping 0.5 s before every update. Same metrics.jsonl bytes and final weights: the schedule is fixed, whatever is
     ready first, and the batch in flight travels in the preemption's checkpoint."""
-    check(subprocess.run(one_step_off(tmp_path / "plain", []), cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env=script_env()))
+    check(run_script("grpo_llm.py", [*ONE_STEP_OFF, "--run-root", str(tmp_path / "plain")], nproc=2))
     plain = only_run_dir(tmp_path / "plain")
     reference, reference_hash = (plain / "metrics.jsonl").read_bytes(), final_hash(plain)
     steps = [m for m in read_metrics(plain) if m["step"]]
@@ -129,7 +122,10 @@ def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
     assert len(in_flight[0]["indices"]) == 16 * 4  # and the prompts they answer (dynamic sampling refills)
 
     step_s = statistics.median(p["perf/step_s"] for p in read_metrics(plain, "perf.jsonl") if p["step"])
-    status, text, delay = preempt_at_random(one_step_off(tmp_path / "slow", [], slow=True), tmp_path / "output.txt",
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "--shutdown-timeout", "300"]
+    status, text, delay = preempt_at_random([*torchrun, "tests/workers/slow_rank.py", "grpo_llm.py", *ONE_STEP_OFF,
+                                             "--run-root", str(tmp_path / "slow")], tmp_path / "output.txt",
                                             "step 1/4", 1.5 * (step_s + 1.5),
                                             {**script_env(), "SLOW_RANK": "1", "SLOW_GENERATE_S": "1.5"})
     context = f"SIGTERM {delay:.2f} s after step 1's line\n{text[-4000:]}"
@@ -142,11 +138,8 @@ def test_one_step_off_is_timing_independent_and_resumes_exactly(tmp_path):
         return sum(p["perf/trainer_wait_s"] for p in read_metrics(run_dir, "perf.jsonl") if 1 <= p["step"] <= trained)
     assert trainer_wait(slow) - trainer_wait(plain) > 0.75 * trained, context  # the sleeps acted
 
-    resume = resume_line(text)
-    script = resume.index("grpo_llm.py")
-    check(subprocess.run([*resume[:script], str(ROOT / "tests" / "workers" / "slow_rank.py"), *resume[script:]],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**script_env(), "SLOW_RANK": "0", "SLOW_UPDATE_S": "0.5"}))
+    check(run_resume_line(text, "tests/workers/slow_rank.py", {**script_env(), "SLOW_RANK": "0",
+                                                                "SLOW_UPDATE_S": "0.5"}))
     assert (slow / "metrics.jsonl").read_bytes() == reference, context  # continued in the same run directory
     assert final_hash(slow) == reference_hash
     assert min(p["perf/train_s"] for p in read_metrics(slow, "perf.jsonl") if p["step"] > trained) > 0.5

@@ -4,13 +4,12 @@ it uses the tool), and the build script is bitwise reproducible (same seed, same
 
 import hashlib
 import json
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import check, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from assets.build_tiny_model import Args, episode_metrics, greedy_accuracy, sampled_tool_call_probability
@@ -82,8 +81,8 @@ def test_committed_calculator_model_uses_the_tool_as_recorded() -> None:
 
 
 def build(output_dir: Path, seed: int) -> str:
-    command = [sys.executable, "-m", "assets.build_tiny_model", "--steps", "20", "--seed", str(seed)]
-    subprocess.run([*command, "--output-dir", str(output_dir)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    check(run_script("assets/build_tiny_model.py", ["--steps", "20", "--seed", str(seed), "--output-dir",
+                                                    str(output_dir)], launcher="warm", timeout=300))
     return sha256(output_dir / "model.safetensors")
 
 

@@ -1,20 +1,24 @@
-"""The tests' launcher for the LLM scripts: torchrun's job, from a process that has imported torch, transformers and
-vLLM once, so that no launch pays those imports again (about 12 CPU-seconds per process on our 2-core machines, more
-than half of a small 2-rank run's CPU time, which the end-to-end tests spend a few hundred times).
+"""The tests' launcher for the LLM scripts, the workers of tests/workers/, DQN and the tiny model's build: torchrun's
+job, from a process that has imported torch, transformers and vLLM once, so that no launch pays those imports again
+(about 12 CPU-seconds per process on our 2-core machines, more than half of a small 2-rank run's CPU time, which the
+end-to-end tests spend a few hundred times).
 
 One server per pytest worker (`WarmLauncher`), started on first use, imports the libraries every LLM script imports
-(with the settings the scripts give them before importing: vLLM's own logging off) and nothing of this repository
-(common/ reads the launch's environment at import). Each launch is a fork of it: an agent that forks the ranks with
-torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, the elastic run id and
-group ranks), each in a session of its own with the script as __main__ (`runpy`), their output appended to two files,
-as torchrun's workers share its two pipes. When one rank fails the agent stops the others (SIGTERM, then SIGKILL),
-prints torchrun's failure lines (`exitcode  : N` per failed rank) and exits 1, as torchrun does. A rank ends as any
-Python program does: its atexit handlers and finalisers run (vLLM-CPU unlinks its shared memory there).
+(with the settings the scripts give them before importing: vLLM's own logging off), then the modules a run imports
+later (the engine's worker, TensorBoard, DQN's Atari stack), freezes what it holds out of the garbage collector's
+walks, and imports nothing of this repository (common/ reads the launch's environment at import). Each launch is a
+fork of it: an agent that forks the ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, the elastic run id and group ranks), each in a session of its own with the script
+as __main__ (`runpy`), their output appended to two files, as torchrun's workers share its two pipes. When one rank
+fails the agent stops the others (SIGTERM, then SIGKILL), prints torchrun's failure lines (`exitcode  : N` per failed
+rank) and exits 1, as torchrun does. A rank ends as any Python program does: its atexit handlers and finalisers run
+(vLLM-CPU unlinks its shared memory there).
 
 What differs from a launch by torchrun, and stays with torchrun (`run_script(..., launcher="torchrun")`): the agent's
 command line, which the manifest records (it reads here as `torchrun --nnodes 1 --nproc_per_node N`), signals sent
 to a launcher, restarts and rendezvous across agents."""
 
+import gc
 import json
 import os
 import resource
@@ -30,6 +34,23 @@ from pathlib import Path
 # What the scripts import before their first step, in the order they do (vLLM last, after its logging setting).
 PRELOADED = ("numpy", "torch", "torch.distributed", "tyro", "safetensors.torch", "transformers",
              "transformers.modeling_utils", "datasets", "vllm")
+# What a run imports later (about 980 modules and 3 CPU-seconds per rank of a small GRPO run, listed by a diff of
+# sys.modules): the engine's worker, model runner, scheduler, loaders and LoRA, the Qwen2/Qwen3/Llama models of the
+# embedded and zoo models, distributed checkpoints, TensorBoard's writer, tyro's parser.
+IMPORTED_LATER = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.engine.core",
+                  "vllm.v1.executor.uniproc_executor", "vllm.model_executor.model_loader",
+                  "vllm.model_executor.models.qwen2", "vllm.model_executor.models.qwen3",
+                  "vllm.model_executor.models.llama", "vllm.lora.worker_manager", "vllm.lora.model_manager",
+                  "transformers.models.qwen2.modeling_qwen2", "torch.distributed.checkpoint.state_dict",
+                  "torch.distributed.elastic.multiprocessing.errors", "torch.distributed.fsdp",
+                  "torch.utils.tensorboard", "tyro._backends._tyro_backend", "tyro._backends._argparse_formatter",
+                  "tyro.constructors._struct_spec_dataclass", "typeguard", "loguru",
+                  "vllm.v1.core.sched.scheduler",
+                  "vllm.v1.attention.backends.cpu_attn", "vllm.model_executor.layers.quantization.online",
+                  "vllm.model_executor.layers.quantization.compressed_tensors.utils", "vllm.entrypoints.launchers",
+                  "vllm.distributed.elastic_ep.elastic_execute", "vllm.plugins.lora_resolvers.filesystem_resolver",
+                  "vllm.utils.cpu_triton_utils",
+                  "ale_py", "cv2", "gymnasium")  # and DQN's
 IMPORTS_SET: dict[str, str] = {}  # environment variables the imports set (vLLM's: e.g. TORCHINDUCTOR_COMPILE_THREADS)
 STOP_GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL of the other ranks
 
@@ -43,7 +64,10 @@ def serve(address: str) -> None:
     for name in PRELOADED:
         importlib.import_module(name)
     from vllm import LLM  # noqa: F401  (the entry point's own imports)
+    for name in IMPORTED_LATER:
+        importlib.import_module(name)
     IMPORTS_SET.update({key: value for key, value in os.environ.items() if before.get(key) != value})
+    gc.freeze()  # the imports' objects: no collection in a rank walks them (vLLM's start and shutdown collect 7 times)
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
