@@ -37,18 +37,21 @@ _warm: list[WarmLauncher] = []
 
 
 def run_script(script: str, args: list[str], nproc: int = 0, timeout: int = 600, launcher: str = "auto",
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+               env: dict[str, str] | None = None, nnodes: int = 1) -> subprocess.CompletedProcess:
     """`python script args` (nproc=0) or `torchrun --nproc_per_node nproc script args`, from the repo root, with
     `env` (default script_env()). With launcher "auto", an LLM script (whatever its engine: a transformers-engine run
     gives the same bits either way) or a worker of tests/workers/ is started by the warm launcher (the same ranks,
     environment and exit status, without paying the imports again), as any script is with "warm"; "torchrun" (or
-    "python") for what only a real launcher shows: its command line in the manifest, signals to it."""
+    "python") for what only a real launcher shows: its command line in the manifest, signals to it. `nnodes` > 1 (warm
+    only): the ranks of that many nodes of `nproc` each, for a test of what the scripts make of nodes; the agents
+    themselves and their rendezvous are run_agents'."""
     env = env or script_env()
     if launcher == "warm" or launcher == "auto" and (script in WARM_SCRIPTS or script.startswith("tests/workers/")):
         if not _warm:
             _warm.append(WarmLauncher(ROOT, script_env(), Path(tempfile.mkdtemp(prefix="warm-launcher-"))))
             atexit.register(_warm[0].close)
-        return _warm[0].run(script, args, nproc, timeout, env)
+        return _warm[0].run(script, args, nproc, timeout, env, nnodes)
+    assert nnodes == 1, "several nodes: run_agents, or the warm launcher"
     command = [sys.executable]
     if nproc:
         command += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]

@@ -173,13 +173,18 @@ def test_memory_estimate_is_within_15_percent_of_the_real_step(tmp_path):
     ones (the peak of live tensors), with and without gradient checkpointing (measured: 0.0% both, each building
     load_model's padded SDPA, whose mask is always built; +6.4% and +4.0% with transformers' "sdpa"). Outside the
     step, the weight sync's arithmetic: exactly the live tensors of the real send_weights (split layout, world of
-    one) at three bucket sizes, and at 7B, shard size 8, the hand-computed bytes of the last bucket's gather."""
+    one) at three bucket sizes, and at 7B, shard size 8, the hand-computed bytes of the last bucket's gather. Run as
+    `tools/doctor.py` runs it (`memory_check`: the command, then its verdict read from validation.json), so doctor's
+    own test need not run it again."""
     import importlib.util
     import math
+    import re
 
-    result = subprocess.run([sys.executable, "benchmarks/memory_estimate.py", "--validate", "embedded", "--scripts",
-                             "grpo", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    from tools import doctor
+
+    holds, shown = doctor.memory_check(tmp_path, 600)
+    assert holds and re.match(r"CPU step, checkpointing off [+-]\d+\.\d%; CPU step, checkpointing on [+-]\d+\.\d%",
+                              shown), (shown, (tmp_path / "memory_estimate.log").read_text()[-3000:])
     validation = json.loads((tmp_path / "validation.json").read_text())
     rows = validation["rows"]
     assert [row["gradient_checkpointing"] for row in rows] == [False, True]

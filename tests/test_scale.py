@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import check, only_run_dir, read_metrics, run_agents
+from conftest import check, only_run_dir, read_metrics, run_agents, run_script
 
 from common.llm import checks
 from common.llm.engines import nvlinked, tensor_parallel_problem
@@ -117,11 +117,10 @@ def test_the_tensor_parallel_check_asks_nvml_about_this_node_s_groups(determinis
 
 @pytest.fixture(scope="module")
 def fake_balanced_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """GRPO with the fake engine and token balancing to a token budget, launched as two nodes of one process."""
+    """GRPO with the fake engine and token balancing to a token budget, on two nodes of one process."""
     run_root = tmp_path_factory.mktemp("fake_balanced")
-    for agent in run_agents("grpo_llm.py", [*FAKE, "--balance-tokens", "--micro-batch-tokens", "300",
-                                            "--run-root", str(run_root)]):
-        check(agent)
+    check(run_script("grpo_llm.py", [*FAKE, "--balance-tokens", "--micro-batch-tokens", "300", "--run-root",
+                                     str(run_root)], nproc=1, nnodes=2))
     return only_run_dir(run_root)
 
 
@@ -165,13 +164,12 @@ FAKE_PPO = ["--rollout-engine", "fake", "--fake-median-length", "6", "--max-comp
 
 @pytest.fixture(scope="module")
 def hsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two agents x two processes: HSDP (the default shard size, the ranks of a node: 2) and the flat mesh."""
+    """Two nodes x two processes: HSDP (the default shard size, the ranks of a node: 2) and the flat mesh."""
     runs = {}
     for name, shard in (("hsdp", "0"), ("flat", "4")):
         run_root = tmp_path_factory.mktemp(name)
-        for agent in run_agents("ppo_llm.py", [*FAKE_PPO, "--fsdp-shard-size", shard, "--run-root", str(run_root)],
-                                nproc=2):
-            check(agent)
+        check(run_script("ppo_llm.py", [*FAKE_PPO, "--fsdp-shard-size", shard, "--run-root", str(run_root)], nproc=2,
+                         nnodes=2))
         runs[name] = only_run_dir(run_root)
     return runs
 

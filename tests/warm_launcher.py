@@ -88,18 +88,20 @@ def _agent(connection: socket.socket) -> None:
     """One launch: read the request, fork the ranks, wait, answer with the exit status."""
     request = json.loads(connection.makefile().readline())
     os.setsid()  # the test's timeout kills this agent's group: the ranks each have their own, stopped below
-    nproc, script = request["nproc"], request["script"]
+    nproc, nnodes, script = request["nproc"], request["nnodes"], request["script"]
     out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     ranks = {}
-    for rank in range(max(nproc, 1)):
+    for rank in range(max(nnodes * nproc, 1)):  # node by node, as `nnodes` agents of `nproc` ranks would number them
         environment = dict(request["env"])
         if nproc:
-            environment.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                               GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+            world = str(nnodes * nproc)
+            environment.update(RANK=str(rank), LOCAL_RANK=str(rank % nproc), WORLD_SIZE=world,
+                               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(rank // nproc), GROUP_WORLD_SIZE=str(nnodes),
+                               ROLE_RANK=str(rank), ROLE_WORLD_SIZE=world,
                                ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                TORCHELASTIC_RUN_ID=f"warm{port}", TORCHELASTIC_RESTART_COUNT="0",
                                TORCHELASTIC_MAX_RESTARTS="0")
@@ -184,15 +186,18 @@ class WarmLauncher:
         self.root, self.environment, self.scratch = root, environment, scratch
         self.server, self.address, self.last_cpu_s = None, str(scratch / "server.sock"), None
 
-    def run(self, script: str, args: list[str], nproc: int, timeout: float, environment: dict[str, str]
-            ) -> subprocess.CompletedProcess:
+    def run(self, script: str, args: list[str], nproc: int, timeout: float, environment: dict[str, str],
+            nnodes: int = 1) -> subprocess.CompletedProcess:
         """Like subprocess.run of torchrun (nproc > 0) or python: the exit status and both outputs; raises
-        subprocess.TimeoutExpired after `timeout` seconds, the ranks killed. `environment`: the ranks'."""
+        subprocess.TimeoutExpired after `timeout` seconds, the ranks killed. `environment`: the ranks'. `nnodes` > 1:
+        the ranks of that many nodes of `nproc` each, as one output (their node ranks and local ranks as torchrun's
+        agents give them; not the agents themselves, nor their rendezvous: run_agents)."""
         if self.server is None or self.server.poll() is not None:
             self._start()
         name = f"launch-{time.monotonic_ns()}"
         stdout, stderr = self.scratch / f"{name}.out", self.scratch / f"{name}.err"
-        request = {"script": script, "args": args, "nproc": nproc, "cwd": str(self.root), "env": environment,
+        request = {"script": script, "args": args, "nproc": nproc, "nnodes": nnodes, "cwd": str(self.root),
+                   "env": environment,
                    "stdout": str(stdout), "stderr": str(stderr), "timeout": timeout}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.connect(self.address)
@@ -201,7 +206,8 @@ class WarmLauncher:
         output = [path.read_text(errors="replace") if path.exists() else "" for path in (stdout, stderr)]
         for path in (stdout, stderr):
             path.unlink(missing_ok=True)
-        command = ["warm", *(["torchrun", "--nproc_per_node", str(nproc)] if nproc else ["python"]), script, *args]
+        command = ["warm", *(["torchrun", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc)] if nproc else
+                             ["python"]), script, *args]
         if answer == "timeout" or not answer:
             raise subprocess.TimeoutExpired(command, timeout, *output)
         status, self.last_cpu_s = answer.split()
