@@ -236,17 +236,17 @@ def resume_line(text: str) -> list[str]:
 
 def run_resume_line(text: str, wrapper: str | None = None, env: dict[str, str] | None = None
                     ) -> subprocess.CompletedProcess:
-    """Run the printed `torchrun ... SCRIPT ARGS` resume command through run_script (the warm launcher for an LLM
-    script): the script and its arguments as printed, on the ranks torchrun's --nproc_per_node names; `wrapper`, a
-    worker taking the script and its arguments (tests/workers/slow_rank.py), runs in its place."""
+    """Run the printed `torchrun ... SCRIPT ARGS` resume command by the warm launcher: the script and its arguments
+    as printed, on the ranks torchrun's --nproc_per_node names; `wrapper`, a worker taking the script and its
+    arguments (tests/workers/slow_rank.py), runs in its place."""
     words = resume_words(text)
     script_at = next(i for i, word in enumerate(words) if word.endswith(".py"))
     launcher = words[:script_at]
     assert launcher[0] == "torchrun" and "--nproc_per_node" in launcher, words
     nproc = int(launcher[launcher.index("--nproc_per_node") + 1])
     if wrapper is None:
-        return run_script(words[script_at], words[script_at + 1:], nproc, env=env)
-    return run_script(wrapper, words[script_at:], nproc, env=env)
+        return run_script(words[script_at], words[script_at + 1:], nproc, env=env, launcher="warm")
+    return run_script(wrapper, words[script_at:], nproc, env=env, launcher="warm")
 
 
 # What starts a process in a test's code: this module's launchers, subprocess, multiprocessing, an OpenEnv server.

@@ -517,8 +517,8 @@ def test_torchrun_preempted_at_a_random_moment_then_killed_mid_save_resumes_exac
     checkpoint and the line that resumes it. That resume is then killed (SIGKILL to its launcher) in the middle of
     its next save (rank 0 sleeps before publishing it, tests/workers/slow_rank.py): `latest` still names the
     preemption's checkpoint, which resumes to the uninterrupted run's metrics and weights."""
-    from conftest import only_run_dir, preempt_at_random, read_metrics, resume_line, script_env  # not at the top: the
-    # gradient worker imports this module outside pytest
+    # not at the top: the gradient worker imports this module outside pytest
+    from conftest import only_run_dir, preempt_at_random, read_metrics, resume_line, run_resume_line, script_env
 
     sps = statistics.median(p["charts/SPS"] for p in read_metrics(torchrun_run, "perf.jsonl") if "charts/SPS" in p)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -551,7 +551,7 @@ def test_torchrun_preempted_at_a_random_moment_then_killed_mid_save_resumes_exac
     partial = list(checkpoints.glob(".step_*.tmp"))
     assert len(partial) == 1, (tmp_path / "killed.txt").read_text()[-4000:]
     assert (checkpoints / "latest").read_text().strip() == Path(stopped["checkpoint"]).name
-    resumed = subprocess.run(resume, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    resumed = run_resume_line(text)  # the printed line again, by the warm launcher
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert metric_lines(run_dir) == metric_lines(torchrun_run), context
     assert final(run_dir)["parameter_sha256"] == final(torchrun_run)["parameter_sha256"]
