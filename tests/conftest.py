@@ -30,8 +30,8 @@ SMALL_GRPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-bat
               "--keep-last", "0"]
 
 
-# What the warm launcher runs (tests/warm_launcher.py): the LLM scripts and the workers, which import torch,
-# transformers or vLLM, all of which the launcher has imported.
+# The LLM scripts run_script hands to the warm launcher (tests/warm_launcher.py), as it does the workers of
+# tests/workers/: they import torch, transformers or vLLM, which the launcher has imported.
 WARM_SCRIPTS = ("grpo_llm.py", "ppo_llm.py", "dpo_online.py", "distill_llm.py")
 _warm: list[WarmLauncher] = []
 
@@ -244,9 +244,8 @@ def run_resume_line(text: str, wrapper: str | None = None, env: dict[str, str] |
     launcher = words[:script_at]
     assert launcher[0] == "torchrun" and "--nproc_per_node" in launcher, words
     nproc = int(launcher[launcher.index("--nproc_per_node") + 1])
-    if wrapper is None:
-        return run_script(words[script_at], words[script_at + 1:], nproc, env=env, launcher="warm")
-    return run_script(wrapper, words[script_at:], nproc, env=env, launcher="warm")
+    command = [wrapper, *words[script_at:]] if wrapper else words[script_at:]
+    return run_script(command[0], command[1:], nproc, env=env, launcher="warm")
 
 
 # What starts a process in a test's code: this module's launchers, subprocess, multiprocessing, an OpenEnv server.
