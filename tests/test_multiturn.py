@@ -95,7 +95,7 @@ def test_an_environment_of_the_wrong_types_stops_the_run_before_any_model_loads(
 
 PYTHON_TOOL = ["--task", "calculator_tiny:python", "--model-name-or-path", "assets/tiny-calculator",
                "--max-completion-length", "20", "--prompts-per-step", "16", "--num-generations", "4",
-               "--micro-batch-size", "64", "--num-eval-prompts", "16", "--eval-every", "2", "--total-steps", "3",
+               "--micro-batch-size", "64", "--num-eval-prompts", "16", "--eval-every", "2", "--total-steps", "4",
                "--save-every", "1", "--keep-last", "0", "--seed", "1"]
 
 
@@ -118,7 +118,8 @@ def test_python_tool_episodes_same_bits_serial_and_concurrent_stopped_and_resume
     step_s = statistics.median(p["perf/step_s"] for p in read_metrics(serial, "perf.jsonl") if p["step"])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "grpo_llm.py",
                *PYTHON_TOOL, "--env-workers", "4", "--run-root", str(tmp_path / "stopped")]
-    status, text, delay = preempt_at_random(command, tmp_path / "output.txt", "step 1/3", step_s)
+    # within one step's time after step 1's line: in step 2 or 3, never the last (a stop in it is a finished run)
+    status, text, delay = preempt_at_random(command, tmp_path / "output.txt", "step 1/4", step_s)
     assert status != 0 and "preempted by SIGTERM" in text, f"SIGTERM {delay:.2f} s after step 1\n{text[-3000:]}"
     check(run_resume_line(text))
     stopped = only_run_dir(tmp_path / "stopped")
