@@ -121,6 +121,8 @@ def prepare_run(args: LLMArgs) -> LLMRun:
             problem = replay_problem(meta_model(args.model_name_or_path), device.type, args.prefix_cache)
     except (OSError, ValueError) as error:
         problem = f"cannot load model {args.model_name_or_path!r}: {error}"
+    gc.freeze()  # what the imports built lives all run: building and encoding the prompts (100k addition prompts:
+    # 300k new objects) triggers full collections, which need not walk it
     try:
         task = make_task(args.task, environment_options(args, rank, world_size))
         if not task.train or not task.test:
