@@ -35,7 +35,8 @@ PRELOADED = ("numpy", "torch", "torch.distributed", "tyro", "safetensors.torch",
 # What a run imports later (about 980 modules, listed by a diff of sys.modules around a small GRPO run; preloaded, that
 # run's median CPU fell 24.5 -> 23.1 s over ten launches each): the engine's worker, model runner, scheduler, loaders
 # and LoRA, the Qwen2/Qwen3/Llama models of the embedded and zoo models, distributed checkpoints, TensorBoard's
-# writer, tyro's parser; and DQN's Atari stack.
+# writer, tyro's parser, the engine's argument parser (its start-up lists non-default arguments with it); and
+# DQN's Atari stack.
 IMPORTED_LATER = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.engine.core",
                   "vllm.v1.executor.uniproc_executor", "vllm.model_executor.model_loader",
                   "vllm.model_executor.models.qwen2", "vllm.model_executor.models.qwen3",
@@ -45,9 +46,10 @@ IMPORTED_LATER = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner"
                   "torch.utils.tensorboard", "tyro._backends._tyro_backend", "tyro._backends._argparse_formatter",
                   "tyro.constructors._struct_spec_dataclass", "typeguard", "loguru", "vllm.v1.core.sched.scheduler",
                   "vllm.v1.attention.backends.cpu_attn", "vllm.model_executor.layers.quantization.online",
-                  "vllm.model_executor.layers.quantization.compressed_tensors.utils", "vllm.entrypoints.launchers",
-                  "vllm.distributed.elastic_ep.elastic_execute", "vllm.plugins.lora_resolvers.filesystem_resolver",
-                  "vllm.utils.cpu_triton_utils", "ale_py", "cv2", "gymnasium")
+                  "vllm.model_executor.layers.quantization.compressed_tensors.utils",
+                  "vllm.entrypoints.launchers.cli_args", "vllm.distributed.elastic_ep.elastic_execute",
+                  "vllm.plugins.lora_resolvers.filesystem_resolver", "vllm.utils.cpu_triton_utils", "ale_py", "cv2",
+                  "gymnasium")
 IMPORTS_SET: dict[str, str] = {}  # environment variables the imports set (vLLM's: e.g. TORCHINDUCTOR_COMPILE_THREADS)
 STOP_GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL of the other ranks
 
