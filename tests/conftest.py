@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # otherwise wait out the hub's retries, about 20 s). Read by huggingface_hub when it is imported, after this.
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 # Small GRPO settings that still exercise every phase (2 ranks x 8 prompts x 4 generations, 2 micro-batches).
-SMALL_GRPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16",
-              "--num-eval-prompts", "64", "--eval-every", "2", "--total-steps", "4", "--save-every", "2",
-              "--keep-last", "0"]
+SMALL_GRPO = ["--task", "tests/small_addition_task.py:SmallAdditionTask", "--prompts-per-step", "16",
+              "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "64", "--eval-every", "2",
+              "--total-steps", "4", "--save-every", "2", "--keep-last", "0"]
 
 
 # The LLM scripts run_script hands to the warm launcher (tests/warm_launcher.py), as it does the workers of

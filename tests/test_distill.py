@@ -14,8 +14,9 @@ from conftest import ROOT, check, only_run_dir, read_metrics, run_script
 from distill_llm import distillation_loss, distillation_rewards, task_advantages
 
 TEACHER = ROOT / "assets" / "tiny-adder-teacher"
-SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32",
-         "--eval-every", "2", "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--seed", "1"]
+SHORT = ["--task", "tests/small_addition_task.py:SmallAdditionTask", "--prompts-per-step", "16", "--num-generations",
+         "4", "--micro-batch-size", "16", "--num-eval-prompts", "32", "--eval-every", "2", "--total-steps", "4",
+         "--save-every", "2", "--keep-last", "0", "--seed", "1"]
 
 
 def final_hash(run_dir: Path) -> str:

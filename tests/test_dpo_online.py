@@ -22,8 +22,9 @@ from conftest import (
 from dpo_online import Args, check_args, dpo_loss, implicit_rewards, preference_pairs, sequence_logprobs
 
 # 2 ranks x 8 prompts x 4 samples, pairs in micro-batches of 4 (2 per rank per micro-batch), a checkpoint at step 2
-SMALL_DPO = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "8", "--num-eval-prompts",
-             "64", "--eval-every", "2", "--total-steps", "4", "--save-every", "2", "--keep-last", "0"]
+SMALL_DPO = ["--task", "tests/small_addition_task.py:SmallAdditionTask", "--prompts-per-step", "16",
+             "--num-generations", "4", "--micro-batch-size", "8", "--num-eval-prompts", "64", "--eval-every", "2",
+             "--total-steps", "4", "--save-every", "2", "--keep-last", "0"]
 
 
 def final_hash(run_dir: Path) -> str:
@@ -125,7 +126,7 @@ def dpo_reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_end_to_end_torchrun_vllm(dpo_reference_run: Path):
     manifest = json.loads((dpo_reference_run / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["versions"]["vllm"] == "0.32.0"
-    assert " --nproc_per_node 2 dpo_online.py --prompts-per-step" in manifest["command"]  # the launcher: GRPO's test
+    assert f" --nproc_per_node 2 dpo_online.py {' '.join(SMALL_DPO)} " in manifest["command"]  # launcher: GRPO's test
     metrics = read_metrics(dpo_reference_run)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
     for key in ("train/score", "train/chosen_score", "train/rejected_score", "train/tied_fraction",

@@ -178,7 +178,8 @@ def test_end_to_end_torchrun_vllm(grpo_reference_run: Path):
     lock = manifest["lock"]
     assert lock["file"] == "requirements-cpu.lock.txt" and lock["differs"] == [], lock
     assert lock["sha256"] == hashlib.sha256((ROOT / "requirements-cpu.lock.txt").read_bytes()).hexdigest()
-    assert manifest["command"].startswith("torchrun --standalone --nproc_per_node 2 grpo_llm.py --prompts-per-step")
+    launched = f"torchrun --standalone --nproc_per_node 2 grpo_llm.py {' '.join(SMALL_GRPO)} "
+    assert manifest["command"].startswith(launched), manifest["command"]
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
     for key in ("train/score", "train/score_std", "train/accuracy", "train/completion_length",

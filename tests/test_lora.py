@@ -39,8 +39,9 @@ from common.llm.lora import (
 TINY = ROOT / "assets" / "tiny-adder"
 QWEN2_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SPEC = LoRASpec(rank=8, alpha=16.0, targets=QWEN2_TARGETS, seed=1)
-SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32",
-         "--eval-every", "2", "--total-steps", "4", "--save-every", "2", "--keep-last", "0", "--seed", "1"]
+SHORT = ["--task", "tests/small_addition_task.py:SmallAdditionTask", "--prompts-per-step", "16", "--num-generations",
+         "4", "--micro-batch-size", "16", "--num-eval-prompts", "32", "--eval-every", "2", "--total-steps", "4",
+         "--save-every", "2", "--keep-last", "0", "--seed", "1"]
 LORA = ["--lora-rank", "8", "--learning-rate", "3e-3"]
 
 
@@ -534,7 +535,7 @@ def test_ppo_with_lora_on_the_policy_and_the_value_model_and_online_dpo(tmp_path
 
 def test_lora_on_episodes_with_gspo(tmp_path: Path):
     """Multi-turn episodes (two turns around a 3-token reply) with GSPO's sequence ratio over two minibatches."""
-    args = ["--task", "tests/second_look_task.py:SecondLookTask", "--max-completion-length", "16", *SHORT[:-6],
+    args = [*SHORT[:-6], "--task", "tests/second_look_task.py:SecondLookTask", "--max-completion-length", "16",
             "--total-steps", "2", "--save-every", "0", *LORA, "--importance-sampling-level", "sequence",
             "--loss-type", "grpo", "--num-minibatches", "2"]
     check(run_script("grpo_llm.py", [*args, "--run-root", str(tmp_path)], nproc=2))

@@ -41,9 +41,10 @@ TINY = ROOT / "assets" / "tiny-adder"
 # 2 ranks x 8 prompts x 4 generations: 32 completions per rank; 2 epochs x 2 minibatches of 16, each in micro-batches
 # of 8 (gradient accumulation); the reference run adds the adaptive KL controller, with a short horizon so that it
 # moves every step.
-SMALL_PPO = ["--prompts-per-step", "16", "--num-generations", "4", "--ppo-epochs", "2", "--num-minibatches", "2",
-             "--micro-batch-size", "8", "--num-eval-prompts", "64", "--eval-every", "2", "--total-steps", "4",
-             "--save-every", "2", "--keep-last", "0"]
+SMALL_PPO = ["--task", "tests/small_addition_task.py:SmallAdditionTask", "--prompts-per-step", "16",
+             "--num-generations", "4", "--ppo-epochs", "2", "--num-minibatches", "2", "--micro-batch-size", "8",
+             "--num-eval-prompts", "64", "--eval-every", "2", "--total-steps", "4", "--save-every", "2",
+             "--keep-last", "0"]
 ADAPTIVE_KL = [*SMALL_PPO, "--target-kl", "0.5", "--kl-horizon", "200"]
 
 
@@ -254,7 +255,7 @@ def test_end_to_end_torchrun_vllm(ppo_reference_run: Path):
     run_dir = ppo_reference_run
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["args"]["num_minibatches"] == 2
-    assert " --nproc_per_node 2 ppo_llm.py --prompts-per-step" in manifest["command"]  # the launcher: GRPO's test
+    assert f" --nproc_per_node 2 ppo_llm.py {' '.join(ADAPTIVE_KL)} " in manifest["command"]  # launcher: GRPO's test
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
     for key in TRAIN_KEYS:

@@ -188,8 +188,9 @@ def assert_every_rank_stopped_for_a_full_disk(result: subprocess.CompletedProces
     assert all(json.loads(line) for line in (checkpoints.parent / "metrics.jsonl").read_text().splitlines())
 
 
-LLM_SMALL = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16",
-             "--num-eval-prompts", "32", "--eval-every", "0", "--save-every", "1", "--total-steps", "2"]
+LLM_SMALL = ["--task", "tests/small_addition_task.py:SmallAdditionTask", "--prompts-per-step", "16",
+             "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32", "--eval-every", "0",
+             "--save-every", "1", "--total-steps", "2"]
 DQN_SMALL = ["--total-timesteps", "900", "--learning-starts", "200", "--buffer-size", "600", "--batch-size", "8",
              "--target-network-frequency", "200", "--save-every", "300"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

@@ -13,8 +13,8 @@ from conftest import check, only_run_dir, preempt_at_random, read_metrics, run_r
 import grpo_llm
 from common.llm import layout
 
-SHORT = ["--prompts-per-step", "16", "--num-generations", "4", "--micro-batch-size", "16", "--num-eval-prompts", "32",
-         "--eval-every", "2"]
+SHORT = ["--task", "tests/small_addition_task.py:SmallAdditionTask", "--prompts-per-step", "16", "--num-generations",
+         "4", "--micro-batch-size", "16", "--num-eval-prompts", "32", "--eval-every", "2"]
 
 
 @pytest.mark.parametrize("changes, world_size, message", [
