@@ -236,6 +236,7 @@ def test_hf_fallback_engine_plain_python(tmp_path: Path):
     check(result)
     run_dir = only_run_dir(tmp_path)
     assert "HFEngine" in result.stdout
+    assert "nanobind" not in result.stderr  # what start-up froze is freed at exit, not reported as leaked
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert json.loads((run_dir / "manifest.json").read_text())["world_size"] == 1

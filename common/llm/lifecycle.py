@@ -8,6 +8,7 @@ logs and checkpoints; `finish` writes the final hash. With --rollout-ranks K (co
 on the trainer ranks, with the rollout ranks behind them: `prepare_run` never returns on a rollout rank, which serves
 generation (`serve_rollouts`) and exits."""
 
+import atexit
 import gc
 import math
 import os
@@ -123,6 +124,7 @@ def prepare_run(args: LLMArgs) -> LLMRun:
         problem = f"cannot load model {args.model_name_or_path!r}: {error}"
     gc.freeze()  # what the imports built lives all run: building and encoding the prompts (100k addition prompts:
     # 300k new objects) triggers full collections, which need not walk it
+    atexit.register(gc.unfreeze)  # at exit the collector gets it back (nanobind reports objects left over as leaks)
     try:
         task = make_task(args.task, environment_options(args, rank, world_size))
         if not task.train or not task.test:
