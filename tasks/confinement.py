@@ -373,7 +373,8 @@ def _read_line(fd: int) -> bytes:
 
 def main() -> None:
     for number in STOP_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
+        signal.signal(number, signal.SIG_IGN)  # discards one the trainer's process group got while this was forked
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # the spawn blocked them (sandbox.py's _start_monitor)
     line = _read_line(0)
     if not line:
         os._exit(0)  # a pre-started monitor the trainer never used

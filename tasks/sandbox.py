@@ -59,7 +59,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tasks.confinement import MEMORY_EXIT
+from tasks.confinement import MEMORY_EXIT, STOP_SIGNALS
 
 KIB, MIB = 1024, 1024 * 1024
 STATUSES = ("ok", "error", "timeout", "memory", "output_cut", "killed", "sandbox_error")
@@ -405,12 +405,19 @@ class Sandbox:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir or "/work", "TMPDIR": workdir or "/work",
                "LANG": "C.UTF-8"}
         report_read, report_write = os.pipe()
+        # A stop signal to the trainer's process group (torchrun's SIGTERM to its workers) also reaches a child that is
+        # forked but not yet in its own session, and killed it before its call: a sandbox error, the episode's reward
+        # then set by when the signal came. Blocked in this thread across the spawn, it stays pending in the child
+        # until its main() ignores the stop signals, which discards it; the trainer's handler gets it once the mask
+        # is back.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             # No preexec_fn (unsafe in the multi-threaded trainer): the monitor sets its own limits and namespaces.
             process = subprocess.Popen([_interpreter(), "-I", "-S", CONFINEMENT], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=workdir or "/", env=env,
                                        pass_fds=(report_write,), start_new_session=True)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             os.close(report_write)
         cgroup = self.cgroup()
         leaves: list[str] = []

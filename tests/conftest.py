@@ -196,10 +196,11 @@ def fake_world(request):
 
 
 def preempt_at_random(command: list[str], output: Path, marker: str, window_s: float, env: dict[str, str] | None = None,
-                      stop_signal: int = 15) -> tuple[int, str, float]:
+                      stop_signal: int = 15, latest: str | None = None) -> tuple[int, str, float]:
     """Start `command` (a launcher) with its output in the file `output`, wait until `marker` is printed, send it
-    `stop_signal` (SIGTERM) after a random delay in [0, window_s) and wait for its end. Returns (exit status,
-    output, delay), the delay for the message of a failing test."""
+    `stop_signal` (SIGTERM) after a random delay in [0, window_s), or as soon as `latest` is printed if that comes
+    first (a window measured on another run may outlast this one's steps), and wait for its end. Returns (exit
+    status, output, delay), the delay for the message of a failing test."""
     import random
     import time
 
@@ -210,7 +211,9 @@ def preempt_at_random(command: list[str], output: Path, marker: str, window_s: f
         deadline = time.monotonic() + 300
         while marker not in output.read_text() and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(delay)
+        signal_at = time.monotonic() + delay
+        while time.monotonic() < signal_at and not (latest and latest in output.read_text()):
+            time.sleep(0.02)
         launcher.send_signal(stop_signal)
         status = launcher.wait(timeout=300)
     finally:

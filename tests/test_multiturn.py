@@ -118,8 +118,9 @@ def test_python_tool_episodes_same_bits_serial_and_concurrent_stopped_and_resume
     step_s = statistics.median(p["perf/step_s"] for p in read_metrics(serial, "perf.jsonl") if p["step"])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "grpo_llm.py",
                *PYTHON_TOOL, "--env-workers", "4", "--run-root", str(tmp_path / "stopped")]
-    # within one step's time after step 1's line: in step 2 or 3, never the last (a stop in it is a finished run)
-    status, text, delay = preempt_at_random(command, tmp_path / "output.txt", "step 1/4", step_s)
+    # within the serial run's step time after step 1's line, and by step 2's line at the latest: in step 2 or 3,
+    # never the last (a stop in it is a finished run)
+    status, text, delay = preempt_at_random(command, tmp_path / "output.txt", "step 1/4", step_s, latest="step 2/4")
     assert status != 0 and "preempted by SIGTERM" in text, f"SIGTERM {delay:.2f} s after step 1\n{text[-3000:]}"
     check(run_resume_line(text))
     stopped = only_run_dir(tmp_path / "stopped")
